@@ -3043,6 +3043,13 @@ def test_chat_without_a_tokenizer_names_the_tokenizer(tmp_path, capsys):
         assert main([*command, "--model", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert f"--model {tmp_path}: has no tokenizer.json" in err and "chat template" not in err
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": "a", "template": "a<|hole|>"}) + "\n")
+    for command, what in ((["generate", "hi"], "prompt"), (["infill", "a<|hole|>"], "template"),
+                          (["generate", "--input", str(tmp_path / "in.jsonl")], "prompt"),
+                          (["infill", "--input", str(tmp_path / "in.jsonl")], "template")):
+        assert main([*command, "--model", str(tmp_path), "--output", str(tmp_path / "out.jsonl")]
+                    if "--input" in command else [*command, "--model", str(tmp_path)]) == 2
+        assert f"--model {tmp_path}: has no tokenizer.json, so it cannot take a text {what}" in capsys.readouterr().err
 
 
 def test_prefill_chunk_is_set_on_the_model_and_changes_nothing_but_memory(capsys):

@@ -115,6 +115,15 @@ def load_announced(args: argparse.Namespace, keep: str | None = None) -> Any:
     return lm
 
 
+def load_text_model(args: argparse.Namespace, what: str) -> Any:
+    """load_announced for a command that reads text: a model without a tokenizer refused, naming --model and the
+    text it cannot take (`what`: "prompt", "template")."""
+    lm = load_announced(args)
+    if lm.tokenizer is None:
+        raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text {what}")
+    return lm
+
+
 def emulated_dtype_note(dtype: str | None, device: str) -> str | None:
     """A line on stderr when --dtype asks for half precision that this CPU only emulates (checkpoint.native_dtype
     picks float32 there when no --dtype is given): measured about 30x slower matmuls on an AVX2 CPU, which a user

@@ -19,7 +19,7 @@ from blockpress.cli.common import (
     check_draw_filters,
     check_file_path,
     decoded,
-    load_announced,
+    load_text_model,
     print_stats,
     printable,
     sampling_kwargs,
@@ -73,9 +73,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                          "(the template's own, never healed); drop --token-healing, or --chat to heal a plain prompt")
     if args.prompt != "-":  # before the model loads; with --chat it was named as the message it becomes
         check_text(args.prompt, "prompt")
-    lm = load_announced(args)
-    if lm.tokenizer is None:
-        raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text prompt")
+    lm = load_text_model(args, "prompt")
     if args.chat:
         check_chat_template(lm, args, "--chat (drop it to continue the prompt as plain text)")
     if args.prompt == "-":  # as infill's template
@@ -248,9 +246,7 @@ def generate_file(args: argparse.Namespace) -> int:
     done = lines_done(args, output, rows, GENERATE, settings)
     if len(done) == len(rows):
         return all_done(output, name)
-    lm = load_announced(args)
-    if lm.tokenizer is None:
-        raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text prompt")
+    lm = load_text_model(args, "prompt")
     if any(chats):
         check_chat_template(lm, args, "a chat line (--chat, or \"messages\")")
     kw = {k: v for k, v in sampling_kwargs(args, lm).items() if k not in ("max_new_tokens", "seed")}

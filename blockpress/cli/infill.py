@@ -15,7 +15,7 @@ from blockpress.cli.common import (
     RANDOM_PREFIX,
     as_flags,
     decoded,
-    load_announced,
+    load_text_model,
     preset_config,
     print_stats,
     printable,
@@ -92,9 +92,7 @@ def cmd_infill(args: argparse.Namespace) -> int:
     for flag, value in (("--prefix", args.prefix), ("template", text)):
         check_text(value, flag)  # bytes that were not UTF-8 arrive as surrogates: it names the byte, as chat does
     check_template(text, args.hole_length, model_context(args))
-    lm = load_announced(args)
-    if lm.tokenizer is None:
-        raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text template")
+    lm = load_text_model(args, "template")
     kw = {k: v for k, v in sampling_kwargs(args, lm).items() if k not in ("max_new_tokens", "min_new_tokens")}
     t0 = time.perf_counter()
     try:
@@ -152,9 +150,7 @@ def infill_file(args: argparse.Namespace) -> int:
     done = lines_done(args, output, rows, INFILL, settings)
     if len(done) == len(rows):
         return all_done(output, name)
-    lm = load_announced(args)
-    if lm.tokenizer is None:
-        raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text template")
+    lm = load_text_model(args, "template")
     kw = {k: v for k, v in sampling_kwargs(args, lm).items() if k not in ("max_new_tokens", "min_new_tokens", "seed")}
     healing = False if args.no_token_healing else None
     lm.stream("", template="<|hole:1|>", seed=args.seed, **kw)  # the flags alone: their errors name the flag
