@@ -135,6 +135,18 @@ def test_shards_of_two_saves_are_refused_by_name(lm, tmp_path, monkeypatch):
     save_model(other.model, folder, max_shard_bytes=20_000)  # saved again, whole: it loads
     again = load_quiet(folder).model.state_dict()
     assert all(torch.equal(again[name], t) for name, t in other.model.state_dict().items())
+    # an unmarked shard (of a save from before marks, or another tool's) beside marked ones is another save too;
+    # shards none of which holds a mark load
+    from safetensors.torch import load_file, save_file
+
+    shards = sorted(folder.glob("model-*.safetensors"))
+    save_file(load_file(shards[0]), shards[0], metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="are shards of two different saves"):
+        blockpress.load(folder)
+    for shard in shards[1:]:
+        save_file(load_file(shard), shard, metadata={"format": "pt"})
+    again = load_quiet(folder).model.state_dict()
+    assert all(torch.equal(again[name], t) for name, t in other.model.state_dict().items())
 
 
 def test_an_index_whose_shards_are_not_fetched_is_a_folder_without_weights(lm, tmp_path):
