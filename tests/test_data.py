@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from terminal import read_terminal
 
 from blockpress.data import (
+    _RUN_CONFIG_KEYS,
     Example,
     TokenShards,
     is_raw_text,
@@ -532,6 +533,12 @@ def test_a_prompt_response_record_too_long_to_fit_is_refused_before_it_is_tokeni
                                              r"positions, less than one canvas of response \(16\)"):
             load_jsonl(path, tok, context=(16, 64, cut))
     assert len(long) not in encoded
+    # exactly one canvas of room is room enough; a position less is not
+    n = len(tok.encode_prompt("def add(a, b):"))
+    path.write_text(json.dumps({"prompt": "def add(a, b):", "response": "ok"}) + "\n")
+    assert len(load_jsonl(path, tok, context=(8, n + 8, None))) == 1
+    with pytest.raises(ValueError, match=rf"'prompt': {n} tokens leave 7 of the model's context of {n + 7} positions"):
+        load_jsonl(path, tok, context=(8, n + 7, None))
 
 
 def test_raw_texts_tokenizing_is_reported_and_shown_on_a_terminal_alone(tmp_path, tok, monkeypatch):
@@ -761,7 +768,8 @@ def test_a_data_folder_leaves_its_hidden_folders_out(tmp_path, tok):
     assert left_out(data).startswith("leaves out 1 hidden file, named or inside a folder named with a leading '.'")
 
 
-@pytest.mark.parametrize("marker", ["train_config.json", "trainer_state.pt", None, "empty log", "cut log"])
+@pytest.mark.parametrize("marker", ["train_config.json", "trainer_state.pt", None, "empty log", "cut log",
+                                    "stopped log"])
 def test_a_data_folder_leaves_a_training_runs_folder_in_it_out(tmp_path, tok, marker):
     """`train --data dd --out dd/run`: resumed, the run read dd/run/metrics.jsonl as data ("expected 'prompt'+
     'response'"), and a raw-text folder then held "JSONL files and raw text"; every later run on dd failed alike. A
@@ -771,8 +779,10 @@ def test_a_data_folder_leaves_a_training_runs_folder_in_it_out(tmp_path, tok, ma
     (data / "train.jsonl").write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
     (data / "run" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
     (data / "run" / "adapter" / "notes.jsonl").write_text(json.dumps({"step": 1}) + "\n")  # a folder inside a run
-    if marker in ("empty log", "cut log"):  # a divergence before the first row logged (--log-every 10), or a kill
-        (data / "run" / "metrics.jsonl").write_text("" if marker == "empty log" else '{"step": 1, "lo')
+    if marker in ("empty log", "cut log", "stopped log"):  # a divergence before the first row logged (--log-every
+        # 10), a kill, or a stop (Ctrl-C, --max-minutes) before the first step logged its row
+        (data / "run" / "metrics.jsonl").write_text({"empty log": "", "cut log": '{"step": 1, "lo',
+                                                     "stopped log": '{"step": 0, "stopped": "interrupted"}\n'}[marker])
     elif marker == "train_config.json":  # as a save writes it
         (data / "run" / marker).write_text(json.dumps(dataclasses.asdict(TrainConfig(steps=2))))
     elif marker is not None:  # None: a run that stopped before its first save (a divergence) left its log alone
@@ -786,7 +796,9 @@ def test_a_data_folder_leaves_a_training_runs_folder_in_it_out(tmp_path, tok, ma
 
 
 @pytest.mark.parametrize("other", [{"epochs": 3, "model": "other"},
-                                   {"model": "t5-small", "lr": 1e-4, "batch_size": 32, "steps": 5000}])
+                                   {"model": "t5-small", "lr": 1e-4, "batch_size": 32, "steps": 5000},
+                                   *({key: 1 for key in sorted(_RUN_CONFIG_KEYS) if key != left}
+                                     for left in sorted(_RUN_CONFIG_KEYS))])
 def test_data_beside_another_tools_train_config_json_is_still_data(tmp_path, tok, other):
     """Any file named train_config.json marked its folder as a training run's and left it out, unsaid: a dataset
     whose math/ part carried another tool's config trained on 10 of its 100 examples; so did one with steps,
