@@ -252,9 +252,14 @@ def _padding_to_the_left(
     return left.to(ids.device), None if left_mask is None else left_mask.to(ids.device)
 
 
+# The dtypes each float dtype holds every value of: casting from one to it widens exactly
+_WIDER_THAN = {torch.float32: (torch.bfloat16, torch.float16),
+               torch.float64: (torch.float32, torch.bfloat16, torch.float16)}
+
+
 def keeps_values(source: torch.dtype, target: torch.dtype) -> bool:
     """Whether casting `source` weights to `target` keeps every value (bf16 and fp16 widen to float32 exactly)."""
-    return source == target or (target == torch.float32 and source in (torch.bfloat16, torch.float16))
+    return source == target or source in _WIDER_THAN.get(target, ())
 
 
 def _model_bytes(model: DiffusionGemma, dtype: torch.dtype) -> int:

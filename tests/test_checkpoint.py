@@ -2974,3 +2974,16 @@ def test_shards_fill_up_to_their_limit_and_a_large_tensor_stands_alone(lm, tmp_p
     folder = tmp_path / "one"
     shards = [load_file(p) for p in sorted(folder.glob("model-*.safetensors"))]
     assert [len(s) for s in shards] == [1] * len(names)
+
+
+@pytest.mark.parametrize("source", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("target", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_keeps_values_says_whether_a_cast_keeps_every_value(source, target):
+    """lm.stored_values (the folder's exact dtype, which quantizing from it names) survives a cast only where the
+    cast loses nothing: float64 to float32 rounds, so it must not count as keeping values."""
+    from blockpress.lm import keeps_values
+
+    info = torch.finfo(source)
+    values = torch.tensor([info.max, info.tiny, info.eps, 1 / 3, -7.123456789], dtype=torch.float64).to(source)
+    exact = torch.equal(values.to(target).to(source), values)
+    assert keeps_values(source, target) is exact
