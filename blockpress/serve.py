@@ -1848,7 +1848,7 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
     if body.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens: {body.min_tokens} is more than {limit_name} {max_tokens}", "min_tokens")
     taken = canvas_positions(max_tokens, canvas)  # block diffusion's new tokens take whole canvases
-    if len(prompt) + taken > context:
+    if free and len(prompt) + taken > context:  # (a template's canvas is its own length: completion_jobs checks it)
         # the prompt is what to shorten when it leaves no room for one canvas
         param = prompt_param if len(prompt) + canvas > context else limit_name
         whole = f" (whole {canvas}-token canvases: {taken} positions)" if taken != max_tokens else ""
@@ -1982,17 +1982,32 @@ def completion_jobs(state: ServerState, body: CompletionRequest, prompt: list[in
     jobs = build_jobs(state, body, prompt, loop)
     if body.suffix is None and body.template is None:
         return jobs
+    c, context = state.lm.config.canvas_length, state.context
     canvas = constrained_canvas(state, body, prompt, jobs[0].max_tokens, from_text)
+    # a suffix's canvas is its holes and its fixed tokens (and a healed space moved out of the prompt)
+    fixed = len(canvas.tokens) - jobs[0].max_tokens if body.suffix is not None else len(canvas.tokens)
+    room = canvas_room(context, len(canvas.prompt), c)
+    if body.suffix is not None and not body.max_tokens and room - fixed < jobs[0].max_tokens \
+            and room - fixed >= max(1, body.min_tokens):
+        # No limit sent: the default is cut to what the context has room for beside the suffix, as build_jobs cuts
+        # it beside the prompt alone (not a 400 naming the prompt, when a shorter fill fits)
+        canvas = constrained_canvas(state, body, prompt, room - fixed, from_text)
+        for job in jobs:
+            job.max_tokens = room - fixed
     for job in jobs:  # not queued yet: a refusal below drops them
         job.prompt, job.canvas, job.answer_tokens = canvas.prompt, canvas.tokens, canvas.answer_tokens
         job.heal_prefix = canvas.heal_prefix
     if jobs[0].holes > jobs[0].max_tokens:  # the holes are what the model writes: max_tokens bounds them
         raise APIError(400, f"template: its holes hold {jobs[0].holes} tokens, more than max_tokens "
                             f"{jobs[0].max_tokens}; raise max_tokens or shorten the holes", "template")
-    taken = canvas_positions(len(canvas.tokens), state.lm.config.canvas_length)  # whole canvases, as any answer's
-    if len(canvas.prompt) + taken > state.context:
-        raise APIError(400, f"prompt: {len(prompt)} prompt tokens + a {len(canvas.tokens)}-token canvas ({taken} "
-                            f"positions in whole canvases) exceed the context of {state.context} tokens", "prompt")
+    taken = canvas_positions(len(canvas.tokens), c)  # whole canvases, as any answer's
+    if len(canvas.prompt) + taken > context:
+        # what to shorten: the prompt where it leaves no canvas, else the template, or the suffix where not one hole
+        # fits beside it, else the client's max_tokens (or the min_tokens that outgrew the room left)
+        param = ("prompt" if len(canvas.prompt) + c > context else "template" if body.suffix is None
+                 else "suffix" if room <= fixed else "max_tokens" if body.max_tokens else "min_tokens")
+        raise APIError(400, f"{param}: {len(prompt)} prompt tokens + a {len(canvas.tokens)}-token canvas ({taken} "
+                            f"positions in whole canvases) exceed the context of {context} tokens", param)
     return jobs
 
 

@@ -1561,6 +1561,34 @@ def test_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(monk
         assert r.status_code == 400 and "prompt tokens" in r.json()["error"]["message"] and encoded[-1] == most
 
 
+def test_a_suffix_or_template_near_the_end_of_the_context_is_answered_or_refused_naming_what_to_shorten():
+    """A suffix request with no max_tokens had the default cut to the context's room beside the prompt alone, then
+    the suffix added: a 400 naming the prompt where a shorter fill fits (as it does without the suffix). A template
+    was checked as if max_tokens (sent or the default) were its length: a 400 naming a max_tokens never sent, for a
+    template that fits. A suffix too long to fit was blamed on the prompt."""
+    from fastapi.testclient import TestClient
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 2, "max_new_tokens": 24}
+    prompt = "hi " * 8  # 25 tokens: room for one 16-token canvas in a context of 48
+    with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0, max_context=48)) as http:
+        def post(**body):
+            return http.post("/v1/completions", json={"model": MODEL, "seed": 1, **body})
+
+        r = post(prompt=prompt, suffix="b")
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 15, r.text  # 15 holes + "b": 16
+        assert post(prompt=prompt, suffix="b", max_tokens=15).json()["choices"] == r.json()["choices"]
+        for body in ({}, {"max_tokens": 24}):
+            assert post(prompt=prompt, template="x<|hole:4|>", **body).status_code == 200
+        for body, param in (({"prompt": "hi", "suffix": "a " * 40, "max_tokens": 8}, "suffix"),
+                            ({"prompt": prompt, "suffix": "b", "max_tokens": 16}, "max_tokens"),
+                            ({"prompt": prompt, "suffix": "b", "min_tokens": 16}, "min_tokens"),
+                            ({"prompt": prompt, "template": "x<|hole:4|>" + "a " * 20}, "template"),
+                            ({"prompt": "hi " * 12, "suffix": "b"}, "prompt")):
+            r = post(**body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
 def test_stop_strings_past_the_servers_limit_are_a_400_naming_stop(server):
     """Each stop string is searched for in every row's text at every canvas, on the engine thread that serves every
     client: a request listing a million (5 MB of JSON, within the body limit) held it for seconds a canvas, and was
