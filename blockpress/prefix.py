@@ -243,8 +243,11 @@ def encode_prompts(
     fresh: list[int] = []
     firsts: set[tuple[int, ...]] = set()
     repeats: set[int] = set()  # rows that reuse what a row of this batch adds: nothing cached before it, as reported
+    # what each row shares with what was kept before this batch: all it reports reused, though it may load more (a
+    # longer entry an earlier row of this batch adds, as the rows of n choices that partly match an old one do)
+    before = [reusable(prefixes.longest(ids[i])[2], i) for i in range(b)]
     for i in range(b):
-        if reusable(prefixes.longest(ids[i])[2], i) > 0:
+        if before[i] > 0:
             continue
         # n sampled choices are n identical rows: only the first is encoded with the new rows; the others, once it
         # is kept, load it and encode their last token below (one too big to keep is encoded whole there)
@@ -290,7 +293,7 @@ def encode_prompts(
         if shared < ids[i].numel():  # an entry that already holds all of `ids` serves it as it is
             prefixes.add(ids[i], row, replaces=key)
         # (a repeat's tokens were encoded by this batch: none came from before it, as OpenAI's cached_tokens counts)
-        reused[i] = 0 if i in repeats else n
+        reused[i] = 0 if i in repeats else min(n, before[i])
         prefixes.count(reused[i])
     lengths = torch.tensor([x.numel() for x in ids], device=cache.device)
     cache.valid[:, :p] = torch.arange(p, device=cache.device)[None, :] >= p - lengths[:, None]
