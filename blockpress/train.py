@@ -485,7 +485,7 @@ ADAPTER_RECORD = "blockpress_adapter.json"
 # (per_layer_config, not global_head_dim: config.json stores the full layers' shapes only there)
 BASE_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "per_layer_config", "layer_types", "num_experts",
-                     "moe_intermediate_size")
+                     "moe_intermediate_size", "attention_bias", "tie_word_embeddings")
 # Generation settings a run may change that an adapter records (ADAPTER_RECORD) and a load puts over its base's:
 # token_healing false, where the run trained on prompts ending in whitespace (Trainer.prompts_healed), and the noise
 # the run corrupted with (Trainer sets or drops noise_token_id; -1: uniform noise, as SamplerConfig spells it), which
@@ -1573,9 +1573,17 @@ class Trainer:
         else:
             self._check_weights_step(state["step"])
             loaded, _ = load_model(self.out, dtype=self.lm.dtype, device=self.lm.device)
+            # by name: a run saved before base_shape held every field that adds weights (attention_bias) would pair
+            # them off by position, copying one tensor into another of the same shape, or fail deep in torch
+            own, saved = dict(self.model.named_parameters()), dict(loaded.named_parameters())
+            odd = next((n for n in [*own, *saved] if n not in own or n not in saved
+                        or own[n].shape != saved[n].shape), None)
+            if odd is not None:
+                held = lambda params: tuple(params[odd].shape) if odd in params else "none"  # noqa: E731
+                raise self._other_model(f"{odd}: {held(saved)} saved, {held(own)} in this model")
             with torch.no_grad():
-                for p, q in zip(self.model.parameters(), loaded.parameters(), strict=True):
-                    p.copy_(q)
+                for name, p in own.items():
+                    p.copy_(saved[name])
                 for mine, theirs in zip(self.model.buffers(), loaded.buffers(), strict=True):
                     mine.copy_(theirs)
         try:

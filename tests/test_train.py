@@ -1538,9 +1538,32 @@ def test_resume_with_a_model_of_another_shape_names_the_fields(tmp_path, lora_ra
     with pytest.raises(ValueError, match=rf"--resume: the (weights|LoRA adapters) in .*run do not fit this (base )?"
                                          rf"model.*\(.*hidden_size {width} \(this model: {width // 2}\)"):
         other.resume()
+    # fields that add or drop weights without changing a width: attention_bias's biases failed deep in torch (or,
+    # paired off by position, could copy one tensor into another of its shape); untied embeddings resumed silently
+    for field, value in (("attention_bias", True), ("tie_word_embeddings", False)):
+        other = Trainer(tiny_lm(**{field: value}), ExampleSource(EXAMPLES, 0), cfg, tmp_path / "run", progress=False)
+        with pytest.raises(ValueError, match=rf"--resume: .* do not fit this (base )?model.*{field} {not value}"):
+            other.resume()
     again = Trainer(tiny_lm(seed=3), ExampleSource(EXAMPLES, 0), cfg, tmp_path / "run", progress=False)
     again.resume()  # a model of the run's shape: resumed
     assert again.step == 1
+
+
+def test_resume_pairs_saved_weights_by_name(tmp_path):
+    """A run saved before its state recorded a field that adds weights has no shape to refuse another model by: the
+    weights are matched by name, and one this model lacks (or holds in another shape) is named."""
+    cfg = TrainConfig(steps=4, batch_size=4)
+    trainer = Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), cfg, tmp_path / "run", progress=False)
+    trainer.train_step()
+    trainer.save()
+    state = torch.load(tmp_path / "run" / "trainer_state.pt", weights_only=False)
+    for field in ("attention_bias", "tie_word_embeddings"):  # as a run saved before they were recorded
+        del state["base_shape"][field]
+    torch.save(state, tmp_path / "run" / "trainer_state.pt")
+    other = Trainer(tiny_lm(attention_bias=True), ExampleSource(EXAMPLES, 0), cfg, tmp_path / "run", progress=False)
+    with pytest.raises(ValueError, match=r"do not fit this model \(layers\.0\.self_attn\.bias\.k_proj: none saved, \(\d+,\) in "
+                                         r"this model\)"):
+        other.resume()
 
 
 def test_a_cache_filled_before_a_training_step_is_refused_after(tmp_path):
