@@ -222,12 +222,10 @@ def test_output_to_a_file_is_utf8_whatever_the_locale(monkeypatch):
 def test_a_chat_prompt_that_is_not_utf8_is_named_prompt_before_the_model_loads(capsys, monkeypatch):
     """`generate PROMPT --chat` named a prompt that is no UTF-8 "messages[0].content" (messages[1] with --system),
     after loading the model, where every other path names `prompt`."""
-    import blockpress.cli.generate as cli_generate
-
     def no_load(args):
         raise AssertionError("the model was loaded first")
 
-    monkeypatch.setattr(cli_generate, "load_announced", no_load)
+    monkeypatch.setattr("blockpress.cli.common.load_announced", no_load)
     for extra in ([], ["--system", "be brief"]):
         assert main(["generate", "caf\udce9", "--chat", "--model", "random-tiny", *extra]) == 2
         err = capsys.readouterr().err
@@ -3028,7 +3026,7 @@ def test_generate_chat_refuses_token_healing_by_name(monkeypatch, capsys):
     was dropped without a word: the reply was the unhealed one. It is refused before the model loads."""
     import blockpress.cli.generate
 
-    monkeypatch.setattr(blockpress.cli.generate, "load_announced", lambda args: pytest.fail("loaded the model first"))
+    monkeypatch.setattr(blockpress.cli.common, "load_announced", lambda args: pytest.fail("loaded the model first"))
     assert main(["generate", "hi", "--chat", "--token-healing"]) == 2
     assert "error: --token-healing: not with --chat, whose prompt ends with the chat template's turn header" in (
         capsys.readouterr().err)
@@ -4961,7 +4959,7 @@ def test_generate_input_refuses_a_system_message_beside_system_before_the_model_
     """A messages line with a system message (or a "developer" one, OpenAI's name for it, which the template reads as
     system) beside --system is refused by FILE:LINE before the model loads: "developer" met the template's own
     'Chat template error: Only the first message may have the system role', and either came after the load."""
-    monkeypatch.setattr("blockpress.cli.generate.load_announced", lambda args: pytest.fail("the model loaded"))
+    monkeypatch.setattr("blockpress.cli.common.load_announced", lambda args: pytest.fail("the model loaded"))
     for role in ("system", "developer"):
         src = write_input(tmp_path / "in.jsonl", [INPUT_LINES[0], {"messages": [{"role": role, "content": "Be brief."},
                                                                                 {"role": "user", "content": "hi"}]}])
@@ -5005,7 +5003,7 @@ def test_generate_output_is_not_overwritten_and_resume_appends_the_rest(tmp_path
     assert out.read_text() == whole and sum(calls) == 3
     capsys.readouterr()
     # an output of every line, or another file's, is read before the model loads (a 26B's load takes minutes)
-    monkeypatch.setattr("blockpress.cli.generate.load_announced", lambda args: pytest.fail("the model loaded"))
+    monkeypatch.setattr("blockpress.cli.common.load_announced", lambda args: pytest.fail("the model loaded"))
     assert main([*base, "--resume"]) == 0 and out.read_text() == whole
     assert capsys.readouterr().err == f"--resume: {out} holds every line of {src} already; nothing is left to run\n"
     out.write_text(json.dumps({"line": 99, "text": ""}) + "\n")
@@ -5020,7 +5018,7 @@ def test_generate_output_that_is_the_input_or_no_file_is_refused_before_the_mode
     src = write_input(tmp_path / "in.jsonl")
     prompts = src.read_bytes()
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("blockpress.cli.generate.load_announced", lambda args: pytest.fail("the model loaded"))
+    monkeypatch.setattr("blockpress.cli.common.load_announced", lambda args: pytest.fail("the model loaded"))
     for output in [str(src), "./in.jsonl", "../" + tmp_path.name + "/in.jsonl"]:
         for flags in [[], ["--overwrite"], ["--resume"]]:
             assert main(["generate", "--input", "in.jsonl", "--output", output, "--model", MODEL, *flags]) == 2
@@ -5043,8 +5041,7 @@ def test_input_refuses_json_before_the_model_loads_and_no_live_hides_the_progres
     src = write_input(tmp_path / "in.jsonl", INPUT_LINES[:2])
     holes = write_input(tmp_path / "holes.jsonl", INFILL_LINES[:1])
     with monkeypatch.context() as m:
-        for module in ("generate", "infill"):
-            m.setattr(f"blockpress.cli.{module}.load_announced", lambda args: pytest.fail("the model loaded"))
+        m.setattr("blockpress.cli.common.load_announced", lambda args: pytest.fail("the model loaded"))
         for command, path in [("generate", src), ("infill", holes)]:
             assert main([command, "--input", str(path), "--json", "--model", MODEL]) == 2
             err = capsys.readouterr().err.strip()
@@ -5183,7 +5180,7 @@ def test_resume_refuses_an_output_made_with_other_settings_by_flag_before_the_mo
     out.write_text(first)
     capsys.readouterr()
     with monkeypatch.context() as m:
-        m.setattr("blockpress.cli.generate.load_announced", lambda args: pytest.fail("the model loaded"))
+        m.setattr("blockpress.cli.common.load_announced", lambda args: pytest.fail("the model loaded"))
         for flags, message in [
                 ([*base, "--max-new-tokens", "8"], "--max-new-tokens: {}:1 was written with 4, this run asks 8"),
                 ([*base, "--max-denoising-steps", "3"], "--max-denoising-steps: {}:1 was written with 2, this run asks 3"),
@@ -5211,7 +5208,7 @@ def test_resume_refuses_an_output_made_with_other_settings_by_flag_before_the_mo
     holes, filled = write_input(tmp_path / "holes.jsonl", INFILL_LINES[:1]), tmp_path / "filled.jsonl"
     run = ["infill", "--input", str(holes), "--output", str(filled), "--model", MODEL, "--steps", "1", "--threads", "1"]
     assert main(run) == 0 and json.loads(filled.read_text())["settings"]["hole_length"] == 8
-    monkeypatch.setattr("blockpress.cli.infill.load_announced", lambda args: pytest.fail("the model loaded"))
+    monkeypatch.setattr("blockpress.cli.common.load_announced", lambda args: pytest.fail("the model loaded"))
     assert main([*run, "--hole-length", "4", "--resume"]) == 2
     assert f"--hole-length: {filled}:1 was written with 8, this run asks 4;" in capsys.readouterr().err
 
@@ -5395,7 +5392,7 @@ def test_infill_input_rows_are_their_runs_alone_in_input_order_and_resume_append
         assert main([*run, "--resume"]) == 0
     assert out.read_text() == whole and sum(calls) == 2
     # another file's output at the same line numbers is not taken as done, nor loads the model; nor does a whole one
-    monkeypatch.setattr("blockpress.cli.infill.load_announced", lambda args: pytest.fail("the model loaded"))
+    monkeypatch.setattr("blockpress.cli.common.load_announced", lambda args: pytest.fail("the model loaded"))
     assert main([*run, "--resume"]) == 0 and "holds every line" in capsys.readouterr().err
     src.write_text(json.dumps({"template": "y = <|hole:2|>", "id": "a"}) + "\n")
     assert main([*run, "--resume"]) == 2 and "line 1: its template is not the input line's" in capsys.readouterr().err
@@ -5417,7 +5414,7 @@ def test_infill_input_refuses_a_bad_line_by_file_and_line_before_running(tmp_pat
     calls = []
     monkeypatch.setattr(blockpress.LM, "infill", lambda *a, **kw: calls.append(a))
     with monkeypatch.context() as m:
-        m.setattr("blockpress.cli.infill.load_announced", lambda args: pytest.fail("the model loaded"))
+        m.setattr("blockpress.cli.common.load_announced", lambda args: pytest.fail("the model loaded"))
         for bad, message in [({"template": "x = 1"}, "template: has no holes to fill"),
                              ({"template": "x = <|hole:3"}, "template: '<|hole:3' looks like a hole marker")]:
             src.write_text(json.dumps({"template": "<|hole|>"}) + "\n" + json.dumps(bad) + "\n")
@@ -5453,7 +5450,7 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_model_loads(tmp_
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if mode & os.W_OK and Path(p).resolve() in
                         (readonly, readonly / "old.jsonl") else real_access(p, mode, **kw))
-    monkeypatch.setattr(f"blockpress.cli.{command}.load_announced", lambda args: pytest.fail("the model loaded"))
+    monkeypatch.setattr("blockpress.cli.common.load_announced", lambda args: pytest.fail("the model loaded"))
     for output, flags, message in [
             (readonly / "out.jsonl", [], f"cannot be written (its folder {readonly} or the file is read-only, or not "
                                          "yours)"),
@@ -5471,8 +5468,8 @@ def test_a_file_flag_that_ends_with_a_separator_is_refused_as_a_folders_path(tmp
 
     src = write_input(tmp_path / "in.jsonl", INPUT_LINES[:1])
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("blockpress.cli.generate.load_announced", lambda args: pytest.fail("the model loaded"))
-    monkeypatch.setattr("blockpress.cli.infill.load_announced", lambda args: pytest.fail("the model loaded"))
+    monkeypatch.setattr("blockpress.cli.common.load_announced", lambda args: pytest.fail("the model loaded"))
+    monkeypatch.setattr("blockpress.cli.common.load_announced", lambda args: pytest.fail("the model loaded"))
     monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: pytest.fail("measured before refusing the flag"))
     for argv, flag in [(["generate", "--input", str(src), "--output"], "--output"),
                        (["infill", "--input", str(src), "--output"], "--output"),
