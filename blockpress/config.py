@@ -286,8 +286,9 @@ class TextConfig:
             # transformers writes the keys zero-padded to the widest index ("05" of 30 layers) and reads int(key)
             layers: dict[str, dict[str, int]] = {}
             for k, v in self.per_layer_config.items():
-                # other keys: refused by validate, as given ("²" is a digit to isdigit, which int() refused bare)
-                key = str(int(k)) if str(k).isascii() and str(k).isdigit() else str(k)
+                # other keys: refused by validate, as given ("²" is a digit to isdigit, which int() refused bare, as
+                # it does 5,000 digits: no int() here)
+                key = (str(k).lstrip("0") or "0") if str(k).isascii() and str(k).isdigit() else str(k)
                 if key in layers:
                     raise ConfigError(f"text_config.per_layer_config: two entries for layer {key}")
                 layers[key] = dict(v)
@@ -428,7 +429,8 @@ class TextConfig:
              f"expected at least 2 when layers use sliding attention, got {self.sliding_window}")
         _last_layer_full(layer_types)  # (a list set after construction: __post_init__ forced the first)
         for key, over in per_layer.items():
-            need(key.isascii() and key.isdigit() and int(key) < self.num_hidden_layers, f"per_layer_config[{key!r}]",
+            need(key.isascii() and key.isdigit() and len(key) < 20 and int(key) < self.num_hidden_layers,
+                 f"per_layer_config[{key[:40]!r}]",
                  f"expected a layer index below {self.num_hidden_layers}")
             unknown = set(over) - {"head_dim", "num_key_value_heads"}
             need(not unknown, f"per_layer_config[{key!r}]",

@@ -1019,7 +1019,9 @@ def _declared_tokens(tok_cfg: dict[str, Any], folder: Path) -> list[tokenizers.A
     decoder = tok_cfg.get("added_tokens_decoder")
     extra = tok_cfg.get("extra_special_tokens")
     if isinstance(decoder, dict):
-        tokens += [added(entry) for _, entry in sorted((int(k), v) for k, v in decoder.items() if str(k).isdigit())]
+        # ids as ASCII digits ("²" is a digit to isdigit, and 5,000 digits past int()'s limit: both a bare ValueError)
+        tokens += [added(entry) for _, entry in sorted((int(k), v) for k, v in decoder.items()
+                                                       if str(k).isascii() and str(k).isdigit() and len(str(k)) < 20)]
     elif isinstance(legacy := _read_json(folder / "added_tokens.json"), dict) and legacy:
         named = {c for k, v in tok_cfg.items() if k.endswith("_token") and (c := _token_content(v)) is not None}
         named |= {c for v in (extra if isinstance(extra, list) else []) if (c := _token_content(v)) is not None}

@@ -845,6 +845,9 @@ def _hand_written(raw, **fields):
         (lambda c: c["text_config"].update(initializer_range=10**400), "initializer_range: expected a finite number"),
         (lambda c: c["text_config"].update(num_experts=2**64), "num_experts: .*64-bit"),
         (lambda c: c.update(canvas_length=2**70), "^canvas_length: .*64-bit"),
+        # a key past int()'s 4,300 digits: a bare "Exceeds the limit" ValueError
+        (lambda c: c["text_config"].update(per_layer_config={"1" * 5000: {"head_dim": 8}}),
+         r"per_layer_config\['1+'\]: expected a layer index below"),
         (lambda c: c["text_config"].update(per_layer_config={"1": {"head_dim": 2**64}, "3": {"head_dim": 2**64}}),
          r"per_layer_config\[1\].head_dim: expected a positive even integer"),
     ],

@@ -1961,6 +1961,18 @@ def test_tokens_declared_beside_tokenizer_json_are_added_as_transformers_adds_th
         == ours.encode(text)
 
 
+@pytest.mark.parametrize("key", ["\u00b2", "9" * 5000])
+def test_an_added_token_id_that_is_no_integer_is_skipped(tok: Tokenizer, tmp_path: Path, key: str) -> None:
+    """A superscript two is a digit to isdigit, and 5,000 digits are past int()'s limit: both failed the load with
+    Python's bare "invalid literal for int()" / "Exceeds the limit", naming neither file nor field. Skipped, as a
+    key of letters is."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": {
+        key: {"content": "<odd>", "special": True},
+        str(tok.vocab_size): {"content": "<tool>", "special": True}}}
+    ours = Tokenizer.from_dir(_write_checkpoint(tmp_path / "c", tok, tokenizer_config__json=config))
+    assert ours.vocab_size == tok.vocab_size + 1 and ours.encode("<tool>") == [tok.vocab_size]
+
+
 def test_a_vocabulary_word_a_config_declares_special_is_special_as_in_transformers(tok: Tokenizer,
                                                                                   tmp_path: Path) -> None:
     """A token tokenizer.json has as an ordinary word, which added_tokens_decoder declares special: transformers makes
