@@ -427,16 +427,18 @@ def jsonl_files(path: str | Path) -> list[Path]:
     return []
 
 
-def left_out(path: str | Path) -> str | None:
+def left_out(path: str | Path, own_run: str | Path | None = None) -> str | None:
     """A note of what a data folder leaves out, or None when it leaves nothing out: a folder of JSONL its .md
     files (a README.md or dataset card beside the data, as datasets are shipped, is not training text), and any
-    folder its hidden files and training runs' folders (_folder_files). Raises
+    folder its hidden files and training runs' folders (_folder_files; `own_run`, the run reading the data, unsaid).
+    Raises
     jsonl_files' errors: a folder or glob of JSONL and other files."""
     jsonl = jsonl_files(path)
     cards = _folder_files(Path(path))[".md"] if jsonl and Path(path).is_dir() else []
     hidden = hidden_data_files(path)
     folder = Path(path)
     runs = sorted(_run_folders(folder, sorted(folder.rglob("*")))) if folder.is_dir() and not is_glob(path) else []
+    runs = [run for run in runs if own_run is None or run.resolve() != Path(own_run).resolve()]
     notes = [f"leaves out {_some(cards, path)} (a .md file beside .jsonl files is taken for a dataset card, not "
              "data)"] if cards else []
     if runs:

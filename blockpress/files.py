@@ -602,22 +602,26 @@ def utf16_note_of_text(text: str) -> str:
     """utf16_note of text read from standard input, whose bytes that are not UTF-8 arrive as surrogates
     (surrogateescape): UTF-16's byte-order mark is "\\udcff\\udcfe" (or "\\udcfe\\udcff") there. Without the mark
     (iconv -t UTF-16LE, .NET's Encoding.Unicode), mostly-ASCII UTF-16 is valid UTF-8, a NUL beside each letter: said
-    so where NULs are a quarter of the text or more and its bytes read as UTF-16 hold none."""
+    so where its bytes hold two NULs or more, a quarter of them or more, all at even offsets or all at odd ones (the
+    high bytes of big- or little-endian units), and read as UTF-16 so, hold no NUL character. (UTF-8 text with a
+    NUL here and there is none of that.)"""
     if text[:2] in ("\udcff\udcfe", "\udcfe\udcff"):
         return utf16_note(text[:2].encode("utf-8", "surrogateescape"))
-    if not text or text.count("\x00") * 4 < len(text):
-        return ""
     data = text.encode("utf-8", "surrogateescape")
-    for cut in (data, data[1:]):  # a big-endian line read after its first byte's line break: one byte off
-        cut = cut[: len(cut) // 2 * 2]
-        for codec in ("utf-16-le", "utf-16-be"):
-            try:
-                if "\x00" not in cut.decode(codec):
-                    return ("; it is UTF-16 without a byte-order mark (a NUL beside each letter, as iconv -t UTF-16LE "
-                            "and .NET's Encoding.Unicode write text): save it as UTF-8")
-            except UnicodeDecodeError:
-                continue
-    return ""
+    nuls = {i % 2 for i, byte in enumerate(data) if byte == 0}
+    count = data.count(0)
+    if count < 2 or count * 4 < len(data) or len(nuls) != 1:
+        return ""
+    # NULs at odd offsets: little-endian units ("h\0"); at even ones: big-endian ("\0h", or a little-endian line
+    # input() split after its "\n" byte, which starts one byte into a unit)
+    codec = "utf-16-le" if nuls == {1} else "utf-16-be"
+    try:
+        if "\x00" in data[: len(data) // 2 * 2].decode(codec):
+            return ""
+    except UnicodeDecodeError:
+        return ""
+    return ("; it is UTF-16 without a byte-order mark (a NUL beside each letter, as iconv -t UTF-16LE and .NET's "
+            "Encoding.Unicode write text): save it as UTF-8")
 
 
 def utf16_text_error(text: str, what: str) -> ValueError | None:

@@ -251,7 +251,9 @@ def test_utf16_piped_in_is_said_to_be_utf16(capsys, monkeypatch, command, codec)
     valid UTF-8 (byte 0xff at character 0)" alone, where --input and --data say it is UTF-16 and how to save it.
     Without a byte-order mark (iconv -t UTF-16LE) its ASCII is valid UTF-8, NULs between the letters: generate and
     chat sent the model that, exit 0, and infill said the template "has no holes"."""
-    stream = io.TextIOWrapper(io.BytesIO("def add(a, b):\n<|hole|>\n".encode(codec)), encoding="utf-8")
+    # (a chat's first line empty: nothing to tell UTF-16 by, and the next lines went to the model)
+    text = "\ndef add(a, b):\n<|hole|>\n" if command == "chat" and codec != "utf-16" else "def add(a, b):\n<|hole|>\n"
+    stream = io.TextIOWrapper(io.BytesIO(text.encode(codec)), encoding="utf-8")
     monkeypatch.setattr(sys, "stdin", stream)
     assert main([command, *["-"] * (command != "chat"), "--model", "random-tiny", "--steps", "2"]) == 2
     key = {"generate": "prompt", "infill": "template", "chat": "standard input"}[command]
@@ -264,7 +266,11 @@ def test_a_prompt_with_a_nul_here_and_there_is_no_utf16():
     from blockpress.files import utf16_text_error
 
     assert utf16_text_error("abc\x00def\x00ghi", "prompt") is None  # NULs fewer than a quarter
-    assert utf16_text_error("\x00\x00\x00\x00", "prompt") is None  # NULs read as UTF-16 too
+    # UTF-8 text with NULs in it: these read as UTF-16 (a whole unit of NULs, multi-byte UTF-8 as CJK), but their
+    # NULs do not sit one a unit at the same offset
+    for text in ("\x00", "\x00\x00", "\x00\x00\x00\x00", "\u65e5\u672c\u8a9e\x00\u4e2d\u6587\x00",
+                 "\u540d\u524d\x00\u5024\x00", "\u65e5\u672c\x00", "\u00e9\x00"):
+        assert utf16_text_error(text, "prompt") is None, text
     assert "UTF-16" in str(utf16_text_error("ab".encode("utf-16-le").decode(), "prompt"))
 
 

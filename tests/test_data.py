@@ -789,6 +789,7 @@ def test_a_data_folder_leaves_a_training_runs_folder_in_it_out(tmp_path, tok, ma
         (data / "run" / marker).write_bytes(b"")
     assert jsonl_files(data) == [data / "train.jsonl"] and len(load_jsonl(data, tok)) == 1
     assert "leaves out 1 training run folder (run: " in left_out(data)  # said, not only done
+    assert "training run" not in (left_out(data, data / "run") or "")  # the run reading the data: said to no use
     (data / "train.jsonl").unlink()
     (data / "main.py").write_text("def main():\n    return 1\n")
     assert load_text(data, tok).arrays[0].tolist() == tok.encode("def main():\n    return 1\n") + [tok.eos_id]

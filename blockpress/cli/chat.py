@@ -260,7 +260,6 @@ class ChatSession:
     # "model> " and the reply's start are on screen: an error that ends the turn takes a new line
     opened: bool = False
     pending: list[str] = dataclasses.field(default_factory=list)  # the lines of a paste still to be read (read_line)
-    read_any: bool = False  # a line has been read: the first is where UTF-16's byte-order mark shows (read_line)
 
     @property
     def marker(self) -> str:
@@ -303,11 +302,11 @@ class ChatSession:
         if self.interactive and not edited:
             print(mark, end="", file=sys.stderr, flush=True)
         line = input(mark if edited else "")
-        first_read, self.read_any = not self.read_any, True
         # UTF-16 piped in (Windows PowerShell 5's |, `type` of a Notepad "Unicode" file) ends the chat, as `generate -`
         # refuses it: past the mark's line its lines are valid UTF-8, NULs between the letters, and the per-message
-        # check (to_send) would drop the first line alone and send the model the rest as garbage
-        if first_read and not self.interactive and (error := utf16_text_error(line, "standard input")):
+        # check (to_send) would drop the first line alone and send the model the rest as garbage. Every piped line is
+        # checked: without a byte-order mark, a first line that is empty (or a lone "\r\0") shows nothing
+        if not self.interactive and (error := utf16_text_error(line, "standard input")):
             raise error
         if "\n" in line and any(part.rstrip("\r").rstrip() == BLOCK for part in line.split("\n")):
             line, *rest = line.split("\n")

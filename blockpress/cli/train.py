@@ -95,7 +95,7 @@ def _run(args: argparse.Namespace, out: Path) -> int:
         lm, cfg = _load_checkpoint(args, settings, lora_shape)
     else:
         lm, cfg = _fresh_model(args, settings.cfg), settings.cfg
-    _check_data_files(args.data, cfg.heldout_data)
+    _check_data_files(args.data, cfg.heldout_data, out)
     # a run saved before --chat-turns existed (0c217e2) trained on each chat's last assistant turn
     old_reading = bool(args.resume and settings.saved) and "chat_turns" not in settings.saved
     sources = _sources(args, lm, cfg, old_reading=old_reading, kept="chat_turns" not in settings.raw)
@@ -364,9 +364,10 @@ def _with_tokenizer(args: argparse.Namespace, mcfg: ModelConfig, tokenizer: Toke
         pad_token_id=text.pad_token_id if tokenizer.pad_id is None else tokenizer.pad_id))
 
 
-def _check_data_files(data: str, heldout_data: str | None) -> None:
+def _check_data_files(data: str, heldout_data: str | None, out: Path) -> None:
     """--data and --heldout-data can be read as what their first line says they are; files of a folder or glob that
-    are not trained on (a README.md beside JSONL files) are said to be left out."""
+    are not trained on (a README.md beside JSONL files) are said to be left out (but this run's own `out` folder,
+    which a run inside its data leaves there: said at every resume, it would tell the user nothing)."""
     from blockpress.data import is_examples, left_out, named_files
 
     if heldout_data and (both := sorted(named_files(data) & named_files(heldout_data))):
@@ -379,7 +380,7 @@ def _check_data_files(data: str, heldout_data: str | None) -> None:
                       "or a glob that leaves the held-out ones out)")
     for flag, path in (("--data", data), ("--heldout-data", heldout_data)):
         try:
-            note = left_out(path) if path else None
+            note = left_out(path, out) if path else None
             # what the data is, read from its first line: an error there (not JSON, not UTF-8) names the flag as one
             # on a later line does (not the file alone, whichever of --data and --heldout-data it was)
             is_examples(path) if path else None
