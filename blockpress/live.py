@@ -89,8 +89,8 @@ def clip_to_row(text: str, columns: int) -> str:
     wrap once it is written): its end after a "…" where it is wider. `columns` 0 or less (a size not known): whole."""
     if columns <= 0 or display_width(text) < columns:
         return text
-    room, kept = columns - 2, len(text)  # the "…" and the free column
-    while kept > 0 and display_width(text[kept - 1:]) <= room:
+    kept = len(text)  # measured after the "…", as it is drawn (a tab reaches its tab stop from there), and the free
+    while kept > 0 and display_width("…" + text[kept - 1:]) < columns:  # column left
         kept -= 1
     return "…" + text[kept:]
 

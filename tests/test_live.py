@@ -261,6 +261,8 @@ def test_clip_to_row_keeps_a_line_to_one_row_of_the_terminal():
     for columns in range(2, 45):
         assert display_width(clip_to_row(line, columns)) < columns
     assert clip_to_row("日本語日本語日本語", 8) == "…日本語"  # wide characters: two cells each
+    for columns in range(2, 24):  # a tab's width depends on the column it starts at: the "…" before it counts
+        assert display_width(clip_to_row("loading /m/ab\tcd ...", columns)) < columns
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
