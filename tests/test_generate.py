@@ -2837,6 +2837,20 @@ def test_a_space_before_a_hole_is_healed_into_it(code_lm):
     assert torch.equal(code_lm.infill(as_ids, seed=0, token_healing=True).new_tokens, out.new_tokens)
 
 
+def test_a_template_row_cut_inside_its_holes_counts_the_holes_before_the_cut():
+    """num_chosen_tokens (and tokens_per_forward, the server's usage) of a template row that EOS or a stop cut inside a
+    hole: the holes among its kept tokens, at every cut."""
+    from types import SimpleNamespace
+
+    from blockpress.generate import chosen_tokens
+
+    row = [5, -1, -1, 7, -1, -1, 9]
+    req = SimpleNamespace(template=torch.tensor([row, row]))
+    for kept in range(len(row) + 1):
+        got = chosen_tokens(req, torch.tensor([kept, len(row)]))
+        assert got.tolist() == [row[:kept].count(-1), row.count(-1)], kept
+
+
 def test_template_settings_that_cannot_apply(code_lm):
     """min_new_tokens was accepted and ignored with a template; hole_length was checked with no bare <|hole|>."""
     with pytest.raises(ValueError, match="min_new_tokens: not with a template"):

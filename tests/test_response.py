@@ -671,6 +671,21 @@ PY_SCALARS = st.sampled_from([
     "01", "1.", ".5", "+1", "True", "true", "False", "None", "null", "none", "nan", "x", '"\n"', "[]", "{}"])
 
 
+def test_python_call_lists_hold_numbers_and_nesting_to_their_limits():
+    """Integers past JSON's safe range (a JavaScript client reads the arguments as float64) are refused on either
+    side of zero, and lists nest at most _CALL_MAX_NESTING deep: the edges themselves pass."""
+    from blockpress.response import _CALL_MAX_NESTING, _CallList
+
+    assert _CallList(f"[f(a={2**53 - 1}, b={-(2**53 - 1)})]").calls()[0]["arguments"] == {"a": 2**53 - 1,
+                                                                                        "b": -(2**53 - 1)}
+    for text in (f"[f(a={2**53 + 1})]", f"[f(a={-(2**53 + 1)})]",
+                 "[f(a=" + "[" * (_CALL_MAX_NESTING + 1) + "]" * (_CALL_MAX_NESTING + 1) + ")]"):
+        with pytest.raises(ValueError):
+            _CallList(text).calls()
+    deep = "[" * _CALL_MAX_NESTING + "]" * _CALL_MAX_NESTING
+    assert _CallList(f"[f(a={deep})]").calls()[0]["arguments"]["a"] is not None
+
+
 @st.composite
 def py_values(draw: Any, depth: int = 0) -> str:
     if depth >= 2 or draw(st.booleans()):

@@ -1988,10 +1988,14 @@ def test_a_page_on_an_origin_not_allowed_cannot_drive_the_model():
             error = r.json()["error"]
             assert error["code"] == "origin_not_allowed" and "'https://evil.example'" in error["message"], error
             assert "--allowed-origins" in error["message"]
-        # the server's own origin (TestClient's Host is testserver), an allowed one, and a client with no Origin pass
-        for origin in ({"Origin": "http://testserver"}, {"Origin": "http://localhost:3000"}, {}):
+        # the server's own origin (TestClient's Host is testserver; over https behind a TLS proxy too), an allowed
+        # one, and a client with no Origin pass
+        for origin in ({"Origin": "http://testserver"}, {"Origin": "https://testserver"}, {"Origin": "http://localhost:3000"},
+                       {}):
             r = http.post("/v1/completions", content=body, headers={**json_type, **origin})
             assert r.status_code == 200, (origin, r.text)
+        r = http.post("/v1/completions", content=body, headers={"Origin": "https://testserver", **simple[1]})
+        assert r.status_code != 403, r.text  # its own https page's text/plain body: about the body, not the origin
         # the page's own origin behind nginx, which sends Host: 127.0.0.1:8000 upstream: its JSON POST is served
         r = http.post("/v1/completions", content=body, headers={**json_type, "Origin": "https://chat.example.com",
                                                                "Host": "127.0.0.1:8000"})
@@ -4408,6 +4412,11 @@ def test_the_key_is_required_of_an_app_mounted_in_another_or_served_under_a_root
         # (what uvicorn --root-path /llm hands the app: the path with its prefix, and the root_path)
         assert http.get("/llm/v1/models").status_code == 401
         assert http.get("/llm/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    with TestClient(create_app(lm, MODEL, api_key=KEY, prefix_cache_bytes=0), root_path="/v") as http:
+        # a root that is a prefix of the route's own first word ("/v" of "/v1/models", uvicorn --root-path /v over a
+        # request for 1/models): Starlette strips a root only at a "/", so /v1/models is what runs, and asks the key
+        assert http.get("/v1/models").status_code == 401
+        assert http.post("/v1/completions", json=body).status_code == 401
 
 
 def test_the_key_may_follow_its_scheme_after_several_spaces(keyed_server):

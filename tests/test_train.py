@@ -1451,6 +1451,18 @@ def test_resume_refuses_a_save_record_naming_files_outside_the_run(tmp_path, ent
     assert (run_dir / "kept.json").read_text() == "{}"  # nothing moved either
 
 
+def test_resume_leaves_an_older_versions_staged_state_without_a_record(tmp_path):
+    """A run folder from before saves kept their record (an older blockpress killed while it saved) holds a staged
+    trainer state with no record of the files its save moved: left as it is, and the run resumes from the state in
+    place (taken for a save to finish, its missing record was a TypeError)."""
+    from blockpress.train import finish_interrupted_save
+
+    torch.save({"step": 1}, tmp_path / "trainer_state.pt")
+    torch.save({"step": 2}, tmp_path / ".trainer_state.pt.tmp")
+    finish_interrupted_save(tmp_path)
+    assert torch.load(tmp_path / "trainer_state.pt")["step"] == 1
+
+
 def test_weights_and_state_of_different_steps_are_refused(tmp_path, monkeypatch):
     """A kill between the weights' move and trainer_state.pt's left step-4 weights beside step-3 optimizer state,
     which --resume combined silently. Without the staged step-4 state there is no save to finish."""
