@@ -4680,3 +4680,20 @@ def test_create_app_given_several_mistakes_names_the_first_in_its_order():
             create_app(lm, MODEL, **kw)
         fix()
     assert create_app(lm, MODEL, **kw).state.server.context == lm.config.text.max_position_embeddings
+
+
+def test_a_cancelled_batch_adds_to_metrics_only_what_its_unanswered_rows_did():
+    """/metrics' completion_tokens_total and forward_passes_total take an answered row's work when it is answered; a
+    batch then cancelled (its last client left) adds its other rows' work, not the answered rows' a second time."""
+    from types import SimpleNamespace
+
+    from blockpress.generate import Cancelled
+
+    added: dict[str, int] = {}
+    batch = Batch.__new__(Batch)  # (its stream stood for by the one event under test)
+    batch.engine = SimpleNamespace(metrics=SimpleNamespace(
+        add=lambda **kw: [added.__setitem__(k, added.get(k, 0) + v) for k, v in kw.items()]))
+    batch.answered = [True, False]
+    batch.events = iter([Cancelled(forward_passes=torch.tensor([30, 7]), num_new_tokens=torch.tensor([100, 16]))])
+    batch.advance()
+    assert added == {"completion_tokens_total": 16, "forward_passes_total": 7}

@@ -1830,3 +1830,17 @@ def test_window_prompts_span_prompt_min_to_prompt_max_and_an_exact_fit_is_taken(
     lengths = {len(e.prompt) for step in range(20) for e in source.batch(step, 8)}
     assert lengths == {2, 3, 4, 5}
     ShardSource(TokenShards.of_tokens(np.arange(3, 3 + 5 + 4)), cfg, 4).check_length("it")  # 9 tokens: 5 + 4
+
+
+def test_each_process_draws_its_own_attention_dropout():
+    """Under torchrun each process seeds its dropout draws by (seed, step, rank): processes that drew alike would drop
+    the same attention positions in their halves of the batch."""
+    from types import SimpleNamespace
+
+    draws = []
+    for rank in (0, 1, 0):
+        trainer = SimpleNamespace(attention_dropout=0.1, lm=SimpleNamespace(device=torch.device("cpu")),
+                                  cfg=SimpleNamespace(seed=0), world=2, rank=rank)
+        with Trainer._dropout_draws(trainer, 5):
+            draws.append(torch.rand(8))
+    assert not torch.equal(draws[0], draws[1]) and torch.equal(draws[0], draws[2])
