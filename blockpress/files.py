@@ -602,19 +602,21 @@ def utf16_note_of_text(text: str) -> str:
     """utf16_note of text read from standard input, whose bytes that are not UTF-8 arrive as surrogates
     (surrogateescape): UTF-16's byte-order mark is "\\udcff\\udcfe" (or "\\udcfe\\udcff") there. Without the mark
     (iconv -t UTF-16LE, .NET's Encoding.Unicode), mostly-ASCII UTF-16 is valid UTF-8, a NUL beside each letter: said
-    so where its bytes hold two NULs or more, a quarter of them or more, all at even offsets or all at odd ones (the
-    high bytes of big- or little-endian units), and read as UTF-16 so, hold no NUL character. (UTF-8 text with a
-    NUL here and there is none of that.)"""
+    so where its bytes hold two NULs or more (or are one unit, a letter and a NUL: a line of one letter), a quarter of
+    them or more, all at even offsets or all at odd ones (the high bytes of big- or little-endian units), and read as
+    UTF-16 so, hold no NUL character. (UTF-8 text with a NUL here and there is none of that.)"""
     if text[:2] in ("\udcff\udcfe", "\udcfe\udcff"):
         return utf16_note(text[:2].encode("utf-8", "surrogateescape"))
+    if "\x00" not in text:  # (the common case, without a pass over the bytes in Python)
+        return ""
     data = text.encode("utf-8", "surrogateescape")
-    nuls = {i % 2 for i, byte in enumerate(data) if byte == 0}
-    count = data.count(0)
-    if count < 2 or count * 4 < len(data) or len(nuls) != 1:
+    count, odd = data.count(0), data[1::2].count(0)
+    one_unit = len(data) == 2 and count == 1 and 0x20 <= max(data) < 0x7F  # a line of one letter: "y\0"
+    if not one_unit and (count < 2 or count * 4 < len(data) or 0 < odd < count):
         return ""
     # NULs at odd offsets: little-endian units ("h\0"); at even ones: big-endian ("\0h", or a little-endian line
     # input() split after its "\n" byte, which starts one byte into a unit)
-    codec = "utf-16-le" if nuls == {1} else "utf-16-be"
+    codec = "utf-16-le" if odd else "utf-16-be"
     try:
         if "\x00" in data[: len(data) // 2 * 2].decode(codec):
             return ""

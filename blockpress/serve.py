@@ -1821,7 +1821,9 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
     limit_name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
     given = getattr(body, "max_completion_tokens", None) or body.max_tokens
     prompt_param = "messages" if isinstance(body, ChatRequest) else "prompt"  # (so chat's 400s name messages)
-    free = getattr(body, "template", None) is None  # (a template's length is its own, checked below)
+    # A template's length is its own; a suffix's canvas holds its fixed tokens and the prompt's healed space beside
+    # max_tokens: both measured against the context by completion_jobs, which cuts a suffix's default to fit
+    free = getattr(body, "template", None) is None and getattr(body, "suffix", None) is None
     # Where max_length leaves no room, a min_tokens the client sent is the length, as in the library (not a 400
     # naming a max_tokens never sent); not chat's default 1, which only bans an empty reply
     asked = free and "min_tokens" in body.model_fields_set and body.min_tokens > 0
@@ -1845,10 +1847,12 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
         # the default grows to a min_tokens past it (not a 400 naming a max_tokens the client never sent), as
         # vLLM's default, the context's room, takes it
         max_tokens = min(max(max_tokens, body.min_tokens), room)
+    elif not given and getattr(body, "suffix", None) is not None:
+        max_tokens = max(max_tokens, body.min_tokens)  # as above; completion_jobs cuts it to the room left
     if body.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens: {body.min_tokens} is more than {limit_name} {max_tokens}", "min_tokens")
     taken = canvas_positions(max_tokens, canvas)  # block diffusion's new tokens take whole canvases
-    if free and len(prompt) + taken > context:  # (a template's canvas is its own length: completion_jobs checks it)
+    if free and len(prompt) + taken > context:
         # the prompt is what to shorten when it leaves no room for one canvas
         param = prompt_param if len(prompt) + canvas > context else limit_name
         whole = f" (whole {canvas}-token canvases: {taken} positions)" if taken != max_tokens else ""

@@ -1020,8 +1020,9 @@ def _declared_tokens(tok_cfg: dict[str, Any], folder: Path) -> list[tokenizers.A
     extra = tok_cfg.get("extra_special_tokens")
     if isinstance(decoder, dict):
         # ids as ASCII digits ("²" is a digit to isdigit, and 5,000 digits past int()'s limit: both a bare ValueError)
-        tokens += [added(entry) for _, entry in sorted((int(k), v) for k, v in decoder.items()
-                                                       if str(k).isascii() and str(k).isdigit() and len(str(k)) < 20)]
+        by_id = {int(k): v for k, v in decoder.items() if str(k).isascii() and str(k).isdigit() and len(str(k)) < 20}
+        tokens += [added(entry) for _, entry in sorted(by_id.items())]  # ("500" and "0500": one id, the last, as
+        # transformers reads them; sorting the pairs compared their entries)
     elif isinstance(legacy := _read_json(folder / "added_tokens.json"), dict) and legacy:
         named = {c for k, v in tok_cfg.items() if k.endswith("_token") and (c := _token_content(v)) is not None}
         named |= {c for v in (extra if isinstance(extra, list) else []) if (c := _token_content(v)) is not None}

@@ -485,7 +485,7 @@ ADAPTER_RECORD = "blockpress_adapter.json"
 # (per_layer_config, not global_head_dim: config.json stores the full layers' shapes only there)
 BASE_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "per_layer_config", "layer_types", "num_experts",
-                     "moe_intermediate_size", "attention_bias", "tie_word_embeddings")
+                     "moe_intermediate_size", "attention_bias")
 # Generation settings a run may change that an adapter records (ADAPTER_RECORD) and a load puts over its base's:
 # token_healing false, where the run trained on prompts ending in whitespace (Trainer.prompts_healed), and the noise
 # the run corrupted with (Trainer sets or drops noise_token_id; -1: uniform noise, as SamplerConfig spells it), which

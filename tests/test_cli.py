@@ -272,6 +272,7 @@ def test_a_prompt_with_a_nul_here_and_there_is_no_utf16():
                  "\u540d\u524d\x00\u5024\x00", "\u65e5\u672c\x00", "\u00e9\x00"):
         assert utf16_text_error(text, "prompt") is None, text
     assert "UTF-16" in str(utf16_text_error("ab".encode("utf-16-le").decode(), "prompt"))
+    assert "UTF-16" in str(utf16_text_error("y\x00", "prompt"))  # a line of one letter (chat's "y" piped in)
 
 
 @pytest.mark.parametrize("command", ["generate", "infill"])

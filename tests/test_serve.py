@@ -1589,6 +1589,24 @@ def test_a_suffix_or_template_near_the_end_of_the_context_is_answered_or_refused
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
 
 
+def test_a_suffix_after_a_prompt_whose_space_heals_into_the_hole_fits_by_its_healed_length():
+    """A text prompt's trailing space moves into a suffix request's hole: the prompt was measured against the context
+    before it moved (a 400 naming the prompt for a request that fits exactly), and the default cut beside the
+    suffix must count the moved space with the suffix's tokens."""
+    from fastapi.testclient import TestClient
+
+    lm = load_model("blockpress-code", "float32", "cpu")
+    lm.generation_config = {**lm.generation_config, "max_denoising_steps": 2}
+    prompt = "def area(r):\n    return "
+    ids, c = lm.tokenizer.encode_prompt(prompt), lm.config.canvas_length
+    assert lm.tokenizer.token_texts()[ids[-1]] == " "  # (the space is a token of its own, which heals)
+    with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0, max_context=len(ids) - 1 + c)) as http:
+        answers = [http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "suffix": "\n", "seed": 0,
+                                                       **extra}) for extra in ({}, {"max_tokens": c - 2})]
+    assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+    assert answers[0].json()["choices"] == answers[1].json()["choices"]  # the default cut to the 30 that fit
+
+
 def test_stop_strings_past_the_servers_limit_are_a_400_naming_stop(server):
     """Each stop string is searched for in every row's text at every canvas, on the engine thread that serves every
     client: a request listing a million (5 MB of JSON, within the body limit) held it for seconds a canvas, and was

@@ -1961,14 +1961,16 @@ def test_tokens_declared_beside_tokenizer_json_are_added_as_transformers_adds_th
         == ours.encode(text)
 
 
-@pytest.mark.parametrize("key", ["\u00b2", "9" * 5000])
+@pytest.mark.parametrize("key", ["\u00b2", "9" * 5000, "0{vocab}"])
 def test_an_added_token_id_that_is_no_integer_is_skipped(tok: Tokenizer, tmp_path: Path, key: str) -> None:
     """A superscript two is a digit to isdigit, and 5,000 digits are past int()'s limit: both failed the load with
     Python's bare "invalid literal for int()" / "Exceeds the limit", naming neither file nor field. Skipped, as a
-    key of letters is."""
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": {
-        key: {"content": "<odd>", "special": True},
-        str(tok.vocab_size): {"content": "<tool>", "special": True}}}
+    key of letters is. A second spelling of an id ("0500" after "500") is that id, the last entry read as
+    transformers reads it (sorting the pairs compared the entries: a bare TypeError)."""
+    key, odd, tool = key.format(vocab=tok.vocab_size), {"content": "<odd>", "special": True}, {"content": "<tool>",
+                                                                                               "special": True}
+    decoder = {str(tok.vocab_size): odd, key: tool} if key.startswith("0") else {key: odd, str(tok.vocab_size): tool}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": decoder}
     ours = Tokenizer.from_dir(_write_checkpoint(tmp_path / "c", tok, tokenizer_config__json=config))
     assert ours.vocab_size == tok.vocab_size + 1 and ours.encode("<tool>") == [tok.vocab_size]
 
