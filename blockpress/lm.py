@@ -1834,9 +1834,10 @@ class LM:
         `noise_token_id`: that says how the model was trained, so a SamplerConfig that leaves it None decodes with the checkpoint's noise token (pass
         noise_token_id=-1 for uniform noise on a model trained with absorbing noise). `seed`: None draws a fresh
         one per row, which `out.extra["seeds"]` reports (pass them as `seeds` to repeat the sample); greedy, and any
-        sampler with candidates="argmax", uses 0. Every row draws from it as it would alone (a row's output does not depend on the
-        batch, up to the float rounding docs/python-api.md describes), so rows holding the same prompt get the same sample: for different samples of one prompt pass
-        `seeds`, one per row (the server's n > 1 choices get seeds of their own this way).
+        sampler with candidates="argmax", uses 0. Every row draws from it as it would alone (a row's output does not
+        depend on the batch, up to the float rounding docs/python-api.md describes), so rows holding the same prompt
+        get the same sample: for different samples of one prompt pass `seeds`, one per row (the server's n > 1
+        choices get seeds of their own this way).
 
         Keyword options (see `stream` for the details): attention_mask, stop (OpenAI's: a string,
         a list, or one list per row), template (constrained canvas) and hole_length, cache (continue a

@@ -1993,8 +1993,8 @@ def completion_jobs(state: ServerState, body: CompletionRequest, prompt: list[in
     room = canvas_room(context, len(canvas.prompt), c)
     if body.suffix is not None and not body.max_tokens and room - fixed < jobs[0].max_tokens \
             and room - fixed >= max(1, body.min_tokens):
-        # No limit sent: the default is cut to what the context has room for beside the suffix, as build_jobs cuts
-        # it beside the prompt alone (not a 400 naming the prompt, when a shorter fill fits)
+        # No limit sent: the default is cut to what the context has room for beside the suffix (and a healed space),
+        # as build_jobs cuts a plain request's beside its prompt (not a 400 naming the prompt, when a shorter fill fits)
         canvas = constrained_canvas(state, body, prompt, room - fixed, from_text)
         for job in jobs:
             job.max_tokens = room - fixed

@@ -87,8 +87,9 @@ def cmd_infill(args: argparse.Namespace) -> int:
     if file:
         return infill_file(args)
     text = args.template if args.template != "-" else sys.stdin.read()
-    if args.template == "-" and (error := utf16_text_error(text, "template")):  # (UTF-16 piped in: said so, as
-        raise error  # --input's is)
+    # UTF-16 piped in: said so, as --input's is
+    if args.template == "-" and (error := utf16_text_error(text, "template")):
+        raise error
     for flag, value in (("--prefix", args.prefix), ("template", text)):
         check_text(value, flag)  # bytes that were not UTF-8 arrive as surrogates: it names the byte, as chat does
     check_template(text, args.hole_length, model_context(args))
