@@ -302,12 +302,13 @@ def test_a_ctrl_c_between_two_events_closes_generates_stream():
             return local
         return local
 
+    before = sys.gettrace()  # (coverage's or a debugger's, put back after: None turned it off for every later test)
     sys.settrace(tracer)
     try:
         with pytest.raises(KeyboardInterrupt) as caught:
             lm.generate([[8], [9]], cache=cache, max_new_tokens=3 * c, **kw)
     finally:
-        sys.settrace(None)
+        sys.settrace(before)
     assert (cache.length, cache.next_pos.tolist()) == held  # the turn taken back out
     # The traceback is still held (as a notebook holds the last one): the stream must be closed nonetheless.
     open_streams = [s for s in list(lm_module._OPEN_STREAMS) if getattr(s, "gi_frame", None) is not None]
@@ -410,13 +411,14 @@ def test_a_copy_of_a_held_cache_is_free_and_a_ctrl_c_anywhere_in_the_claim_gives
                 return local
             return local
 
+        before = sys.gettrace()  # (coverage's or a debugger's: put back after)
         sys.settrace(tracer)
         try:
             lm.generate([[8, 9]], cache=first.cache, **kw)
         except KeyboardInterrupt:
             pass
         finally:
-            sys.settrace(None)
+            sys.settrace(before)
         assert first.cache.users == [], (stop_at, fired)
 
 
