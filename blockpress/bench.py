@@ -34,7 +34,7 @@ import torch
 
 from .cache import KVCache
 from .checkpoint import available_bytes, cpu_computes_natively, resolve_device
-from .checks import compile_failure
+from .checks import compile_failure, is_int
 from .config import ModelConfig, TextConfig
 from .files import new_tag, release_tag, remove_killed_writes
 from .generate import canvas_positions, device_sync
@@ -103,13 +103,15 @@ class BenchSettings:
     def __post_init__(self) -> None:
         for name in ("batch_sizes", "canvas_lengths"):
             values = getattr(self, name)
-            if values is not None and (not values or not all(isinstance(v, int) and v > 0 for v in values)):
+            # (is_int: not a bool, which ran as 1 and was written to the JSON as "batch": true)
+            if values is not None and (not values or not all(is_int(v) and v > 0 for v in values)):
                 raise ValueError(f"{name}: expected positive integers, got {values!r}")
             if values is not None:  # ascending, each once: the plot joins rows in order, and a repeat is re-timed
-                setattr(self, name, sorted(set(values)))
+                setattr(self, name, sorted({int(v) for v in values}))
         for name in ("new_tokens", "steps", "prompt_length", "repeats"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
+            setattr(self, name, int(getattr(self, name)))
         if self.steps > MAX_COUNT:  # the sampler's own bound, checked now, not as the first row is timed
             raise ValueError(f"steps: expected an integer in [1, {MAX_COUNT}], got {self.steps}")
         self._check_context(self.model_config())  # an unknown preset or layer count: a clear error now

@@ -5699,3 +5699,18 @@ def test_main_in_process_leaves_a_program_s_own_stdin_wrapper_its_line_endings()
     done = subprocess.run([sys.executable, "-c", program], input=b"a,b\r\nc,d\r\n", capture_output=True, env=env,
                           timeout=120)
     assert "RESULT 0 'a,b\\r\\nc,d\\r\\n'" in done.stderr.decode(), done.stderr.decode()[-2000:]
+
+
+@pytest.mark.parametrize("field, value", [("batch_sizes", [True]), ("canvas_lengths", [True, 16]), ("new_tokens", True),
+                                          ("steps", True), ("prompt_length", True), ("repeats", True)])
+def test_bench_settings_take_no_bool_for_a_count(field, value):
+    """True ran as 1 (batch_sizes=[True, 1] collapsed to [True], written to the JSON as "batch": true), where
+    every other count of blockpress is refused as a bool; numpy integers are taken, as plain ints."""
+    import numpy as np
+
+    from blockpress.bench import BenchSettings
+
+    with pytest.raises(ValueError, match=f"^{field}: expected (a )?positive integer"):
+        BenchSettings(preset="tiny", **{field: value})
+    s = BenchSettings(preset="tiny", batch_sizes=[np.int64(2), 1], new_tokens=np.int64(8))
+    assert s.batch_sizes == [1, 2] and type(s.batch_sizes[1]) is int and type(s.new_tokens) is int
