@@ -319,15 +319,16 @@ class KVCache:
         new = max(capacity, doubled)
         n = self.length
         grown_bytes = sum(t.element_size() * t[:, :, :1].numel() for t in (*self.keys, *self.values)) * new
+        # every tensor allocated before any replaces its old one: a failure part way left the first layers grown
+        # (their memory held, where the error says to retry with less) beside a validity mask of the old capacity
         with _allocating(f"batch_size {self.batch_size} x capacity {new} (grown from {self.capacity})", grown_bytes):
-            for tensors in (self.keys, self.values):
-                for i, t in enumerate(tensors):
-                    grown = t.new_zeros(t.shape[0], t.shape[1], new, t.shape[3])
-                    grown[:, :, :n] = t[:, :, :n]
-                    tensors[i] = grown
-        valid = self.valid.new_ones(self.batch_size, new)
+            keys, values = ([t.new_zeros(t.shape[0], t.shape[1], new, t.shape[3]) for t in old]
+                            for old in (self.keys, self.values))
+            valid = self.valid.new_ones(self.batch_size, new)
+        for grown, old in zip((*keys, *values), (*self.keys, *self.values)):
+            grown[:, :, :n] = old[:, :, :n]
         valid[:, :n] = self.valid[:, :n]
-        self.valid = valid
+        self.keys[:], self.values[:], self.valid = keys, values, valid  # (the lists kept: views of them stay whole)
 
     def end_rows(self, ends: torch.Tensor) -> None:
         """Row r keeps its slots before `ends[r]`; the later ones (what it encoded after it ended, pads) become

@@ -84,8 +84,10 @@ def leave_hung_up_terminal(fds: list[int]) -> None:
     for fd in fds:
         try:
             null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, fd)
-            os.close(null)
+            try:
+                os.dup2(null, fd)
+            finally:  # (a failed dup2 kept it open: a descriptor leaked at each)
+                os.close(null)
         except OSError:  # the descriptor is gone already: nothing more can be lost by writing to it
             pass
 

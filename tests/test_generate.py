@@ -2536,9 +2536,33 @@ def test_a_cache_the_device_cannot_allocate_names_itself_and_what_to_ask_for(lm,
         blockpress.KVCache.allocate(lm.config.text, 1, 8)
     monkeypatch.setattr(torch, "zeros", zeros)
     cache = lm.generate([[5, 6]], max_new_tokens=8, return_cache=True).cache
+    new_zeros, new_ones = torch.Tensor.new_zeros, torch.Tensor.new_ones
     monkeypatch.setattr(torch.Tensor, "new_zeros", lambda *a, **k: refusing())
     with pytest.raises(torch.OutOfMemoryError, match=r"^KVCache: batch_size 1 x capacity 4000 \(grown from "):
         cache.ensure_capacity(4000)
+    # a growth that fails part way (its third tensor, or the validity mask) leaves the cache as it was: the first
+    # layers stayed grown, holding the memory the error says to retry without
+    held = [(t.shape, t.clone()) for t in (*cache.keys, *cache.values, cache.valid)]
+    for name, fails_at in (("new_zeros", 3), ("new_ones", 1)):
+        calls: list[int] = []
+
+        def flaky(self, *args, name=name, fails_at=fails_at, calls=calls, **kwargs):
+            calls.append(1)
+            if len(calls) == fails_at:
+                refusing()
+            return (new_zeros if name == "new_zeros" else new_ones)(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, "new_zeros", flaky if name == "new_zeros" else new_zeros)
+        monkeypatch.setattr(torch.Tensor, "new_ones", flaky if name == "new_ones" else new_ones)
+        with pytest.raises(torch.OutOfMemoryError):
+            cache.ensure_capacity(4000)
+        now = (*cache.keys, *cache.values, cache.valid)
+        assert all(t.shape == shape and torch.equal(t, old) for t, (shape, old) in zip(now, held)), name
+    monkeypatch.setattr(torch.Tensor, "new_zeros", new_zeros)
+    monkeypatch.setattr(torch.Tensor, "new_ones", new_ones)
+    cache.ensure_capacity(4000)  # and grows whole once it can, its slots kept
+    assert cache.capacity == 4000 and all(torch.equal(t[:, :, : cache.length], old[:, :, : cache.length])
+                                          for t, (_, old) in zip((*cache.keys, *cache.values), held))
 
 
 def test_a_numpy_cache_size_is_an_int(lm):
