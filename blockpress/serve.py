@@ -1821,9 +1821,11 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
     limit_name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
     given = getattr(body, "max_completion_tokens", None) or body.max_tokens
     prompt_param = "messages" if isinstance(body, ChatRequest) else "prompt"  # (so chat's 400s name messages)
-    # A template's length is its own; a suffix's canvas holds its fixed tokens and the prompt's healed space beside
-    # max_tokens: both measured against the context by completion_jobs, which cuts a suffix's default to fit
-    free = getattr(body, "template", None) is None and getattr(body, "suffix", None) is None
+    free = getattr(body, "template", None) is None  # (a template's length is its own, checked by completion_jobs)
+    # A suffix request's trailing space may heal into its hole, leaving the prompt a token shorter: bounded here by
+    # that (so a max_tokens of 10**12 is refused before its canvas is built), measured exactly by completion_jobs,
+    # which also cuts the default to the room beside the suffix
+    used = len(prompt) - (getattr(body, "suffix", None) is not None)
     # Where max_length leaves no room, a min_tokens the client sent is the length, as in the library (not a 400
     # naming a max_tokens never sent); not chat's default 1, which only bans an empty reply
     asked = free and "min_tokens" in body.model_fields_set and body.min_tokens > 0
@@ -1837,7 +1839,7 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
         # No limit sent: the default is cut to the whole canvases the context has left, as vLLM gives what fits and
         # `blockpress chat` shortens its reply (not a 400 naming a max_tokens the client never sent). Where not
         # even min_tokens (at least one token) fits, that is what is said.
-        room = canvas_room(context, len(prompt), canvas)
+        room = canvas_room(context, used, canvas)
         if room < max(1, body.min_tokens):
             param = prompt_param if room == 0 else "min_tokens"
             needs = f"min_tokens {body.min_tokens}" if room else f"one {canvas}-token canvas"
@@ -1847,14 +1849,12 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
         # the default grows to a min_tokens past it (not a 400 naming a max_tokens the client never sent), as
         # vLLM's default, the context's room, takes it
         max_tokens = min(max(max_tokens, body.min_tokens), room)
-    elif not given and getattr(body, "suffix", None) is not None:
-        max_tokens = max(max_tokens, body.min_tokens)  # as above; completion_jobs cuts it to the room left
     if body.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens: {body.min_tokens} is more than {limit_name} {max_tokens}", "min_tokens")
     taken = canvas_positions(max_tokens, canvas)  # block diffusion's new tokens take whole canvases
-    if free and len(prompt) + taken > context:
+    if free and used + taken > context:
         # the prompt is what to shorten when it leaves no room for one canvas
-        param = prompt_param if len(prompt) + canvas > context else limit_name
+        param = prompt_param if used + canvas > context else limit_name
         whole = f" (whole {canvas}-token canvases: {taken} positions)" if taken != max_tokens else ""
         raise APIError(400, f"{param}: {len(prompt)} prompt tokens + {limit_name} {max_tokens}{whole} exceed the "
                             f"context of {context} tokens", param)

@@ -1580,6 +1580,13 @@ def test_a_suffix_or_template_near_the_end_of_the_context_is_answered_or_refused
         assert post(prompt=prompt, suffix="b", max_tokens=15).json()["choices"] == r.json()["choices"]
         for body in ({}, {"max_tokens": 24}):
             assert post(prompt=prompt, template="x<|hole:4|>", **body).status_code == 200
+        # a limit past any context is refused before a canvas of that many holes is built (a 500, or gigabytes)
+        for limit in ("max_tokens", "min_tokens"):
+            r = post(prompt=prompt, suffix="b", **{limit: 10**12})
+            assert r.status_code == 400 and r.json()["error"]["param"] in ("max_tokens", "min_tokens"), r.text
+        # a min_tokens above the default raises it, as without a suffix (not a 400 naming a max_tokens never sent)
+        r = post(prompt="hi", suffix="b", min_tokens=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 30, r.text
         for body, param in (({"prompt": "hi", "suffix": "a " * 40, "max_tokens": 8}, "suffix"),
                             ({"prompt": prompt, "suffix": "b", "max_tokens": 16}, "max_tokens"),
                             ({"prompt": prompt, "suffix": "b", "min_tokens": 16}, "min_tokens"),
