@@ -1844,3 +1844,15 @@ def test_each_process_draws_its_own_attention_dropout():
         with Trainer._dropout_draws(trainer, 5):
             draws.append(torch.rand(8))
     assert not torch.equal(draws[0], draws[1]) and torch.equal(draws[0], draws[2])
+
+
+def test_a_lora_target_names_a_layer_or_the_end_of_one_after_a_dot():
+    """peft's rule: "q_proj" adapts every ...self_attn.q_proj; "_proj" is no layer's name (nor "proj"'s end after a
+    dot), and was taken by the check, to fail later in peft's own words."""
+    from blockpress.train import check_lora_targets
+
+    model = tiny_lm().model
+    check_lora_targets(model, ["q_proj", "layers.0.self_attn.q_proj"])
+    for target in ("_proj", "roj", "self_attn"):
+        with pytest.raises(ValueError, match=f"^lora_targets: this model has no {target} layer"):
+            check_lora_targets(model, [target])
