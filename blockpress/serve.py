@@ -1822,10 +1822,12 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
     given = getattr(body, "max_completion_tokens", None) or body.max_tokens
     prompt_param = "messages" if isinstance(body, ChatRequest) else "prompt"  # (so chat's 400s name messages)
     free = getattr(body, "template", None) is None  # (a template's length is its own, checked by completion_jobs)
-    # A suffix request's trailing space may heal into its hole, leaving the prompt a token shorter: bounded here by
-    # that (so a max_tokens of 10**12 is refused before its canvas is built), measured exactly by completion_jobs,
-    # which also cuts the default to the room beside the suffix
-    used = len(prompt) - (getattr(body, "suffix", None) is not None)
+    # A suffix request's trailing space heals into its hole, leaving the prompt a token shorter: bounded here by that
+    # (so a max_tokens of 10**12 is refused before its canvas is built), measured exactly by completion_jobs, which
+    # also cuts the default to the room beside the suffix (a prompt that cannot heal is its whole length: counted
+    # a token short, its 400 named max_tokens where the prompt left no canvas)
+    heals = getattr(body, "suffix", None) is not None and bool(heal(lm.tokenizer, prompt).prefix)
+    used = len(prompt) - heals
     # Where max_length leaves no room, a min_tokens the client sent is the length, as in the library (not a 400
     # naming a max_tokens never sent); not chat's default 1, which only bans an empty reply
     asked = free and "min_tokens" in body.model_fields_set and body.min_tokens > 0

@@ -1591,7 +1591,11 @@ def test_a_suffix_or_template_near_the_end_of_the_context_is_answered_or_refused
                             ({"prompt": prompt, "suffix": "b", "max_tokens": 16}, "max_tokens"),
                             ({"prompt": prompt, "suffix": "b", "min_tokens": 16}, "min_tokens"),
                             ({"prompt": prompt, "template": "x<|hole:4|>" + "a " * 20}, "template"),
-                            ({"prompt": "hi " * 12, "suffix": "b"}, "prompt")):
+                            ({"prompt": "hi " * 12, "suffix": "b"}, "prompt"),
+                            # a prompt that cannot heal (ids), a position short of one canvas: the prompt, whatever
+                            # limit is sent (counted as if its last token healed, it named them)
+                            ({"prompt": list(range(5, 38)), "suffix": "b", "max_tokens": 32}, "prompt"),
+                            ({"prompt": list(range(5, 38)), "suffix": "b", "min_tokens": 20}, "prompt")):
             r = post(**body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
 
