@@ -116,10 +116,14 @@ def _run_wide(*names: str, flags: dict[str, str]) -> dict[str, str]:
 # as any other key is (a dataset's own fields, "prompt" and "suffix" of an infilling benchmark, say), but said to be
 # not applied: beside the run's settings each would look applied (a line's "stop", and its text running past it).
 SAMPLING_KEYS = ("steps", "max_denoising_steps", "sampler", "entropy_bound", "confidence", "rank_by", "t_max", "t_min",
-                 "temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty", "token_healing",
-                 "no_token_healing")
+                 "temperature", "draw_temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty",
+                 "token_healing", "no_token_healing")
 SAMPLING_FLAGS = {"max_denoising_steps": "--steps", "token_healing": "--token-healing / --no-token-healing",
-                  "no_token_healing": "--no-token-healing"}
+                  "no_token_healing": "--no-token-healing", "draw_temperature": "--temperature"}
+# A line is one completion: the library's and the server's names for several samples of one prompt
+SAMPLES = dict.fromkeys(("n", "num_return_sequences", "seeds"),
+                        'a line makes one completion: for several samples of a prompt, repeat its line, each with its '
+                        'own "seed"')
 
 
 def _own_seed(row: Row) -> dict[str, Any]:
@@ -142,7 +146,7 @@ GENERATE = LineKind(
                                                           "stop_strings": "--stop", "stop_sequences": "--stop"}),
                "system": 'a "messages" line\'s own system message, or --system for the whole run, sets it',
                **dict.fromkeys(("max_tokens", "max_completion_tokens", "max_length"),
-                               'a line\'s own budget is "max_new_tokens" here')})
+                               'a line\'s own budget is "max_new_tokens" here'), **SAMPLES})
 INFILL = LineKind(
     input_keys=("template", "prefix", "seed", "max_new_tokens"),
     output_keys=("line", "text", "fills", "template", "prefix", "new_tokens", "template_tokens", "filled_tokens",
@@ -151,7 +155,7 @@ INFILL = LineKind(
     given=lambda row: {"template": row.template, "prefix": row.prefix, **_own_seed(row)},
     unapplied={**_run_wide(*SAMPLING_KEYS, flags={**SAMPLING_FLAGS, "token_healing": "--no-token-healing"}),
                "hole_length": "<|hole:N|> in the template sizes a hole, or --hole-length every bare one",
-               "prompt": 'the context before a template is a line\'s "prefix" here'})
+               "prompt": 'the context before a template is a line\'s "prefix" here', **SAMPLES})
 
 
 def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:

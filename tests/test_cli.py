@@ -4925,7 +4925,8 @@ def test_an_input_line_giving_a_setting_no_line_reads_is_said_to_be_copied_not_a
     base = {"prompt": "def f(x):"} if kind is batchfile.GENERATE else {"template": "x = <|hole|>"}
     own = ({"stop": ["\n"]}, {"min_new_tokens": 5}, {"max_tokens": 9}, {"system": "be brief"}) \
         if kind is batchfile.GENERATE else ({"prompt": "def area(r):\n"}, {"hole_length": 4})
-    for extra in (*own, {"temperature": 0.5}, {"max_denoising_steps": 4}, {"token_healing": False}):
+    for extra in (*own, {"temperature": 0.5}, {"max_denoising_steps": 4}, {"token_healing": False},
+                  {"draw_temperature": 0.5}, {"n": 2}, {"num_return_sequences": 2}, {"seeds": [1, 2]}):
         (key,) = extra
         data = json.dumps({**base, "temperature": None}) + "\n" + json.dumps({**base, "id": 2, **extra}) + "\n"
         rows = batchfile.read_rows("p.jsonl", data.encode(), kind)
@@ -4936,7 +4937,8 @@ def test_an_input_line_giving_a_setting_no_line_reads_is_said_to_be_copied_not_a
     assert batchfile.unapplied_notes("p.jsonl", batchfile.read_rows("p.jsonl", json.dumps(
         {**base, "id": 3, "label": "stop"}).encode(), kind), kind) == []
     flags = {name: how.split(" sets it")[0] for name, how in kind.unapplied.items() if how.startswith("--")}
-    assert flags["max_denoising_steps"] == "--steps" and flags["temperature"] == "--temperature"
+    assert flags["max_denoising_steps"] == "--steps" and flags["temperature"] == flags["draw_temperature"] == "--temperature"
+    assert all('repeat its line, each with its own "seed"' in kind.unapplied[k] for k in ("n", "num_return_sequences", "seeds"))
     assert flags["token_healing"] == ("--token-healing / --no-token-healing" if kind is batchfile.GENERATE
                                       else "--no-token-healing")
     parser = build_parser()  # every flag named is one the command takes
