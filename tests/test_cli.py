@@ -2084,6 +2084,20 @@ def test_info_lists_the_default_length(capsys):
     assert json.loads(capsys.readouterr().out)["generation_defaults"]["max_new_tokens"] == 81
 
 
+def test_info_says_whether_generate_heals_and_which_ids_end_a_row(tmp_path, capsys):
+    """generation_defaults left out token_healing, which changes `generate`'s default (a run fine-tuned on prompts
+    ending in whitespace writes false, and generate then keeps the prompt's last token), and the EOS ids."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    for say in (None, False, True):
+        if say is not None:
+            lm.generation_config["token_healing"] = say
+        lm.generation_config["eos_token_id"] = [1, 7]
+        lm.save(tmp_path / str(say))
+        assert main(["info", "--model", str(tmp_path / str(say)), "--json"]) == 0
+        defaults = json.loads(capsys.readouterr().out)["generation_defaults"]
+        assert defaults["token_healing"] is (say is not False) and defaults["eos_token_id"] == [1, 7]
+
+
 def test_chat_prompts_only_a_terminal(monkeypatch, capsys):
     """Piped messages printed "you> " before each reply on stdout ("you> model> ..."), then "model> " still: a
     script reading the replies got our decoration. Piped, stdout now holds the replies alone."""

@@ -47,13 +47,17 @@ def from_file(args: argparse.Namespace, given: str | None, name: str, what: str)
     return args.input is not None
 
 
+def model_heals(lm: Any) -> bool:
+    """Whether the model's generation settings leave generate healing a plain prompt's last token (a model
+    fine-tuned on prompts ending in whitespace learned to follow that lone token: its training run wrote
+    token_healing false); yes where they do not say."""
+    return bool(lm.generation_config.get("token_healing", True))
+
+
 def healing_wanted(lm: Any, args: argparse.Namespace) -> bool:
     """Whether generate heals a plain prompt's last token: --token-healing / --no-token-healing where given, else
-    the model's generation settings (a model fine-tuned on prompts ending in whitespace learned to follow that lone
-    token: its training run wrote token_healing false), else yes."""
-    if args.no_token_healing is None:
-        return bool(lm.generation_config.get("token_healing", True))
-    return not args.no_token_healing
+    the model's say (model_heals)."""
+    return model_heals(lm) if args.no_token_healing is None else not args.no_token_healing
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

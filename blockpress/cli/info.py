@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from blockpress.cli.common import RANDOM_PREFIX, load_announced, load_model, preset_config
+from blockpress.cli.generate import model_heals
 
 
 def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
@@ -105,7 +106,11 @@ def cmd_info(args: argparse.Namespace) -> int:
         rope={kind.removesuffix("_attention"): cfg.text.resolved_rope_parameters[kind].get("rope_type", "default")
               for kind in cfg.text.kinds},
         tokenizer=lm.tokenizer is not None,
-        generation_defaults={"max_new_tokens": lm.default_max_new_tokens, **asdict(lm.sampler_defaults)},
+        # token_healing: `blockpress generate`'s default (a run fine-tuned on prompts ending in whitespace writes
+        # false); eos_token_id: the ids that end a row
+        generation_defaults={"max_new_tokens": lm.default_max_new_tokens, **asdict(lm.sampler_defaults),
+                             "token_healing": model_heals(lm),
+                             "eos_token_id": lm.eos_ids},
     )
     if args.json:
         print(json.dumps(info, indent=2))
