@@ -735,9 +735,13 @@ def is_examples(path: str | Path) -> bool:
 
 
 # Where a byte-level BPE's pre-tokenizer (GPT-2's split, what train_bpe_tokenizer makes) always ends a piece: before
-# a line that starts with a printable character after one that ends with one, and before a space between two of
-# them ("a b" is "a", " b"). No piece spans such a point, so the text's ids are those of its two sides.
-_PIECE_BOUNDARY = re.compile(r"(?<=[!-~]\n)(?=[!-~])|(?<=[!-~])(?= [!-~])")
+# a line that starts with a non-space character after one that ends with one, and before a space between two of
+# them ("a b" is "a", " b"). Only whitespace runs span characters of two kinds there, and a non-space character
+# never joins one, so no piece spans such a point, and the text's ids are those of its two sides. In any script
+# (it was printable ASCII only: a Russian or Greek file had no such point, and was encoded whole, at some 200 bytes
+# of memory a character); Python's \s is a superset of the pattern's Unicode White_Space, so a character that may be
+# either is never cut beside.
+_PIECE_BOUNDARY = re.compile(r"(?<=\S\n)(?=\S)|(?<=\S)(?= \S)")
 DOCUMENT_CHUNK = 1 << 18  # characters encoded at once, at most (but for a stretch without a boundary)
 
 
