@@ -370,7 +370,17 @@ def _check_keywords(call: str, options: tuple[str, ...], given: dict[str, Any], 
     options = tuple(name for name in options if name not in leave_out)
     settings = [f.name for f in fields(SamplerConfig)] if sampler_settings else []
     hints = {"temperature": TEMPERATURE_HINT, "streamer": "for tokens as they come, iterate lm.stream(...)"}
-    check_keywords(call, given, options, settings, hints={**(hints if settings else {}), **TRANSFORMERS_HINTS})
+    check_keywords(call, given, options, settings,
+                   hints={**(hints if settings else {}), **TRANSFORMERS_HINTS, **OTHER_NAMES_HINTS})
+
+
+def _check_forwarded(call: str, own: tuple[str, ...], given: dict[str, Any]) -> None:
+    """_check_keywords for a method that passes its keywords on to generate (chat, chat_ids, infill), so that a
+    refusal names the method called, not generate. transformers' keywords are left to generate, which maps them;
+    `own`: the method's own parameters, which take the place of generate's prompt."""
+    _check_keywords(call, tuple(dict.fromkeys((*own, *STREAM_OPTIONS))),
+                    {k: v for k, v in given.items() if k not in TRANSFORMERS_KEYWORDS},
+                    leave_out=() if "prompt" in own else ("prompt",))
 
 
 # transformers' generate keywords that have blockpress's meaning: `LM._from_transformers` maps them, one place for
@@ -384,6 +394,16 @@ CHAT_TEMPLATE_OPTIONS = frozenset({"add_generation_prompt", "continue_final_mess
 # (as it does one list of stop strings per row, and one template per row)
 ROW_KEYWORDS = ("max_new_tokens", "min_new_tokens", "min_new_tokens_eos_only", "draw_temperature", "temperature",
                 "top_k", "top_p")
+# blockpress's settings as its CLI, its server and OpenAI's API name them: refused, naming the keyword here
+OTHER_NAMES_HINTS = {
+    "n": "OpenAI's and the server's n is num_return_sequences here (or seeds=[...], one seed a row)",
+    "steps": "the CLI's --steps is max_denoising_steps here",
+    "max_tokens": "OpenAI's and the server's max_tokens is max_new_tokens here",
+    "chat_template_kwargs": "the CLI's and the server's chat_template_kwargs are lm.chat's template_options={...} "
+                            "here (the chat template's own options, enable_thinking among them)",
+    "prefix": "infill's --prefix (an --input line's \"prefix\") is lm.infill's prompt= here: the text before the "
+              "template",
+}
 # transformers' keywords with no exact meaning here: refused, naming the nearest setting and how it differs
 TRANSFORMERS_HINTS = {
     "do_sample": "transformers' switch between greedy and sampled decoding, which DiffusionGemma's generate has "
@@ -1959,6 +1979,7 @@ class LM:
         if options:  # (passed on, generate would say it takes no such keyword, naming neither chat nor the way)
             raise ValueError(f"{options[0]}: chat takes the chat template's options in template_options: pass "
                              f"template_options={{{options[0]!r}: ...}}")
+        _check_forwarded("chat", ("messages", "template_options"), kwargs)
         check_flag("token_healing", kwargs.get("token_healing"), none=True)
         if kwargs.get("token_healing") and not (template_options or {}).get("continue_final_message"):
             raise ValueError("token_healing: not with a chat prompt that ends with the chat template's turn header "
@@ -1977,6 +1998,7 @@ class LM:
         stream is refused (truncating it since to a mark taken before is fine). A turn that fails or is interrupted leaves it
         holding that common prefix. out.extra["reused_prompt_tokens"]: each row's tokens that the cache held, so
         not encoded this turn (out.sequences' prompt is the rest, the part encoded). `kwargs`: generate's."""
+        _check_forwarded("chat_ids", ("ids",), kwargs)
         copies = _chat_copies(kwargs, cache)
         with _held(cache):
             rows, common = self._chat_start(ids, cache)
@@ -2076,6 +2098,7 @@ class LM:
         if template is None:
             raise ValueError("template: expected text with <|hole|> markers or token ids with -1 for holes, got None "
                              "(for a free continuation use generate)")
+        _check_forwarded("infill", ("template", "prompt"), kwargs)
         template = _template_texts(template)  # (before its rows are counted)
         if prompt is None:
             cache = kwargs.get("cache")

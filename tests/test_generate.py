@@ -1083,6 +1083,34 @@ def test_unknown_option_rejected(lm):
         lm.generate_ar([3, 4], draw_temperature=0.5)
 
 
+def test_a_setting_named_as_the_cli_or_the_server_names_it_is_refused_naming_the_call_and_the_name_here(lm):
+    """The CLI's and the server's names for a setting (n, steps, max_tokens, chat_template_kwargs, infill's prefix)
+    got "takes no such keyword" and no pointer; through lm.chat / chat_ids / infill the error named generate, which
+    the caller never called, and chat_template_kwargs was not said to be chat's template_options."""
+    hints = {"n": "num_return_sequences", "steps": "max_denoising_steps", "max_tokens": "max_new_tokens",
+             "chat_template_kwargs": "template_options=", "prefix": "prompt="}
+    for call, name in ((lm.generate, "generate"), (lm.generate_ar, "generate_ar"),
+                       (lambda *a, **k: next(iter(lm.stream(*a, **k))), "stream"), (lm.chat_ids, "chat_ids")):
+        for word, meant in hints.items():
+            with pytest.raises(ValueError, match=rf"^{word}: {name} takes no such keyword; .*{meant}.* here"):
+                call([3, 4], **{word: 1})
+    with pytest.raises(ValueError, match=r"^prefix: infill takes no such keyword; .*lm.infill's prompt= here: the "
+                                         r"text before the template; it takes template, prompt, max_new_tokens, "):
+        lm.infill([3, -1, -1], prefix=[3])
+    code = blockpress.load("blockpress-code", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"^chat_template_kwargs: chat takes no such keyword; .*lm.chat's "
+                                         r"template_options=\{...\} here .*; it takes messages, template_options, "):
+        code.chat([{"role": "user", "content": "hi"}], chat_template_kwargs={"enable_thinking": True})
+    # chat's prompt is its messages: a prompt= passed on met generate's own (Python's "multiple values" TypeError)
+    with pytest.raises(ValueError, match=r"^prompt: chat takes no such keyword; it takes messages, "):
+        code.chat([{"role": "user", "content": "hi"}], prompt="x")
+    # transformers' keywords still go on to generate, which maps them; and generate's own word on drafts stands
+    out = code.chat([{"role": "user", "content": "hi"}], num_return_sequences=2, max_new_tokens=2, max_denoising_steps=2)
+    assert out.new_tokens.shape == (2, 2)
+    with pytest.raises(ValueError, match=r"^drafts: generate returns the finished output"):
+        lm.chat_ids([3, 4], drafts=True)
+
+
 def test_a_row_dropped_mid_canvas_accepts_none_in_later_drafts():
     """Once half the rows stopped, the batch dropped them (skip_stopped_rows), and every later Draft of the canvas
     repeated a dropped row's count from the step it stopped at: a stopped row accepts none, as it does kept."""
