@@ -871,6 +871,9 @@ class LM:
         self.model = model.eval()
         self.tokenizer = check_tokenizer(tokenizer)
         self.generation_config = dict(generation_config or {})
+        # keys blockpress does not read that have been said to be ignored (the ones `load` warned about); one set in
+        # lm.generation_config later is said when generate reads the dict (`sampler_defaults`)
+        self._unread_said = {key for key in self.generation_config if key not in KNOWN_GENERATION_KEYS}
         self._max_length_from = "generation config"  # whose max_length errors name: a call's max_length= is its own
         self.passthrough = passthrough or Passthrough()
         # the base's folder, absolute: a save after a chdir recorded another folder of that name as quantized_from
@@ -1177,7 +1180,14 @@ class LM:
     # -- generation ------------------------------------------------------------------------------------------
     @property
     def sampler_defaults(self) -> SamplerConfig:
-        """The checkpoint's generation_config.json, else the reference's defaults."""
+        """The checkpoint's generation_config.json, else the reference's defaults. A key blockpress does not read
+        (HF's temperature, do_sample, a typo) is said once, as load says one in the file: silent, it looked applied."""
+        said = self.__dict__.setdefault("_unread_said", set())  # (an LM pickled before the set existed)
+        unread = sorted(key for key in self.generation_config if key not in KNOWN_GENERATION_KEYS and key not in said)
+        if unread:
+            said.update(unread)
+            warn_user(f"lm.generation_config: {', '.join(unread)}: {UNREAD_GENERATION_KEYS}"
+                      f"{f'; {TEMPERATURE_HINT}' if {'temperature', 'do_sample'} & set(unread) else ''}")
         return SamplerConfig.from_generation_config(self.generation_config)
 
     @property
@@ -2261,6 +2271,12 @@ class LM:
         # as a load reads them back: a value generate refuses (entropy_bound 0), saved, makes a folder that loads
         # neither here nor in transformers
         check_generation_settings(gen, "save: generation_config")
+        # a key blockpress does not read would land in its own file, which the next load warns about: left out
+        unread = sorted(key for key in gen if key not in KNOWN_GENERATION_KEYS)
+        if unread:
+            warn_user(f"save: generation_config: {', '.join(unread)}: not blockpress settings, left out of {path} "
+                      "(blockpress ignores them)")
+            gen = {k: v for k, v in gen.items() if k not in unread}
         if MAPPED_FILES_LOCKED and self.path is not None and path.resolve() == self.path.resolve():
             self._own_mapped_tensors()
         with staging(files) as staged:
@@ -2330,6 +2346,8 @@ BLOCKPRESS_GENERATION_FILE = "blockpress_generation_config.json"
 # special ids and the sampler's; the rest say how the reference runs, not what it generates) and blockpress's
 # own settings. Anything else (HF's temperature, do_sample, top_k, ...) would look in effect and be ignored.
 KNOWN_GENERATION_KEYS = REFERENCE_GENERATION_KEYS | {f.name for f in fields(SamplerConfig)} | {"token_healing"}
+UNREAD_GENERATION_KEYS = ("not blockpress settings, ignored (it reads max_new_tokens, max_length, eos_token_id, "
+                          "pad_token_id, sampler_config and SamplerConfig's fields)")
 
 
 def split_generation_config(gen: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -2401,8 +2419,7 @@ def read_generation_config(path: Path, vocab_size: int) -> dict[str, Any]:
             hint = ""
             if {"temperature", "do_sample"} & set(unused):
                 hint = f"; {TEMPERATURE_HINT}"
-            warn_user(f"{f}: {', '.join(unused)}: not blockpress settings, ignored (it reads max_new_tokens, "
-                      f"max_length, eos_token_id, pad_token_id, sampler_config and SamplerConfig's fields){hint}")
+            warn_user(f"{f}: {', '.join(unused)}: {UNREAD_GENERATION_KEYS}{hint}")
         # A Gemma-style generation_config.json ({"do_sample": true, "top_k": 64, "top_p": 0.95}) holds an
         # autoregressive model's settings; their names are also SamplerConfig's candidate filters, which blockpress
         # reads (where its own file does not set them): said, not silent.

@@ -128,6 +128,29 @@ def test_a_gemma_style_files_top_k_and_top_p_are_said_to_be_read(ref_checkpoint,
     assert not any("candidate filters" in w for w in load_recording(tmp_path / "saved")[1])
 
 
+def test_a_key_set_in_lm_generation_config_that_blockpress_does_not_read_is_said_not_saved(tmp_path, recwarn):
+    """lm.generation_config["temperature"] = 0.9 (HF's habit) ran greedy as before without a word, and lm.save wrote
+    it into blockpress's own file, whose next load warned about it. generate says it once; save leaves it out."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    lm.generation_config.update(temperature=0.9, max_new_token=4, t_min=0.3)  # (a typo; a setting read)
+    for _ in range(2):
+        lm.generate([3, 4], max_new_tokens=2, max_denoising_steps=2)
+    said = [str(w.message) for w in recwarn.list if "lm.generation_config" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("lm.generation_config: max_new_token, temperature: not blockpress "
+                                                 "settings, ignored") and "draw_temperature" in said[0], said
+    lm.save(tmp_path / "saved")
+    assert any(str(w.message).startswith("save: generation_config: max_new_token, temperature: not blockpress "
+                                         "settings, left out of ") for w in recwarn.list)
+    recwarn.clear()
+    again = blockpress.load(tmp_path / "saved")
+    assert [str(w.message) for w in recwarn.list] == []
+    assert again.generation_config["t_min"] == 0.3 and "temperature" not in again.generation_config
+    # a loaded folder's own unread keys were said by load: generate does not say them again
+    gemma = blockpress.LM(lm.model, None, {"do_sample": True})
+    gemma.generate([3, 4], max_new_tokens=2, max_denoising_steps=2)
+    assert [str(w.message) for w in recwarn.list] == []
+
+
 def test_blockpress_own_file_is_checked_too_and_known_keys_pass_quietly(ref_checkpoint, tmp_path):
     path = folder_with(ref_checkpoint, tmp_path, own={"sampler": "greedy", "top_p": 0.9, "typical_p": 0.9})
     _, warned = load_recording(path)
