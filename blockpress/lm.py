@@ -391,7 +391,8 @@ TRANSFORMERS_KEYWORDS = frozenset({"input_ids", "max_length", "generation_config
 CHAT_TEMPLATE_OPTIONS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template", "tools",
                                    "documents"})
 # The settings that may be one per row (generate's and generate_ar's), which num_return_sequences repeats with the rows
-# (as it does one list of stop strings per row, and one template per row)
+# where one is given per prompt row, else reads as one per output row (as it does lists of stop strings); one template
+# per row is repeated
 ROW_KEYWORDS = ("max_new_tokens", "min_new_tokens", "min_new_tokens_eos_only", "draw_temperature", "temperature",
                 "top_k", "top_p")
 # blockpress's settings as its CLI, its server and OpenAI's API name them: refused, naming the keyword here
@@ -1575,8 +1576,11 @@ class LM:
                 if isinstance(value, (list, tuple)) and len(value) == rows:
                     args[key] = [v for v in value for _ in range(int(n))]
             stop = args.get("stop")
-            if isinstance(stop, (list, tuple)) and stop and all(isinstance(r, (list, tuple)) for r in stop):
-                args["stop"] = [r for r in stop for _ in range(int(n))]  # one list of stop strings per row
+            # one list of stop strings per prompt row: each copy keeps its row's. Any other count is read as one per
+            # output row, as the settings above are (repeated regardless, 2 lists for 1 row x 2 copies were refused
+            # as 4)
+            if isinstance(stop, (list, tuple)) and len(stop) == rows and all(isinstance(r, (list, tuple)) for r in stop):
+                args["stop"] = [r for r in stop for _ in range(int(n))]
             if "template" in args:  # (an array of texts is a batch of them: read so before its rows repeat)
                 args["template"] = _template_texts(args["template"])
             if _template_batch(args.get("template")):  # one template per row, not one for every row

@@ -491,6 +491,22 @@ def test_num_return_sequences_repeats_per_row_stops():
     assert out.texts == native.texts and torch.equal(out.sequences, native.sequences)
 
 
+def test_num_return_sequences_takes_stops_one_per_output_row():
+    """Two lists of stop strings for one prompt x 2 copies were repeated regardless and refused as "got 4", a count
+    the call did not give, where max_new_tokens=[4, 8] is read as one per output row. Stop lists are now repeated
+    only when they are one per prompt row, as the per-row settings are."""
+    code = blockpress.load("blockpress-code", dtype="float32")
+    prompt, stops = "def add(a, b):", [["\n"], ["os"]]
+    seeds = [choice_seed(5, i) for i in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = code.generate(prompt, 12, seed=5, stop=stops, num_return_sequences=2)
+        native = code.generate([prompt, prompt], 12, seeds=seeds, stop=stops)
+        assert out.texts == native.texts and torch.equal(out.sequences, native.sequences)
+        with pytest.raises(ValueError, match=r"^stop: expected one list of stop strings per row \(2\), got 3$"):
+            code.generate(prompt, 12, seed=5, stop=[["a"], ["b"], ["c"]], num_return_sequences=2)
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @hypothesis.given(widths=st.lists(st.integers(1, 7), min_size=1, max_size=3), n=st.integers(2, 3),
        budget=st.sampled_from([dict(max_new_tokens=3), dict(max_new_tokens="rows"), dict(max_length=12),
