@@ -416,7 +416,10 @@ def _sub_value(text: str, parser: dict[str, Any] | None, budget: PatternBudget) 
 
 def _xml_inline(text: str, args: dict[str, Any], budget: PatternBudget) -> dict[str, Any]:
     """Shallow tags, <parameter=city>Paris</parameter>: `tag_pattern` names groups `key` and `value`; a repeated key
-    keeps the last value, or all of them in a list with `merge_duplicates`."""
+    keeps the last value, or all of them in a list with `merge_duplicates`. A pattern with no `value` group reads
+    each value as ''; an optional one that takes no part in a tag (<(?P<key>\\w+)(?:=(?P<value>[^>]*))?>) gives None,
+    as in transformers, and with a value parser, which has no text to read, the reply is one the template cannot
+    read (a ValueError, as for a value the parser refuses)."""
     pattern = args.get("tag_pattern")
     if pattern is None:
         raise ValueError("xml-inline: content_args.tag_pattern is required (a regex with groups key and value)")
@@ -429,10 +432,18 @@ def _xml_inline(text: str, args: dict[str, Any], budget: PatternBudget) -> dict[
     merged: set[str] = set()  # keys holding a list of their values (a first value that is a list stays one value)
     for match in budget.finditer("response_template: an xml-inline content's tag_pattern", compiled, text):
         found = match.groupdict()
-        if found.get("key") is None:
+        if "key" not in found:
             raise ValueError(f"xml-inline: tag_pattern {pattern!r} has no group named 'key'")
+        # (groupdict holds an optional group that takes no part in the match as None: the model's tag, not the pattern)
+        if found["key"] is None:
+            raise ValueError(f"xml-inline: the group 'key' of tag_pattern {pattern!r} takes no part in the tag "
+                             f"{match.group(0)!r:.120}, which so names no key")
         # the tag says how its value reads (<int name=n>7</int>); a capture with no parser of its own takes value_parser
         parser = by_capture.get(found[by_group], args.get("value_parser")) if by_group else args.get("value_parser")
+        if parser is not None and "value" in found and found["value"] is None:
+            raise ValueError(f"xml-inline: the group 'value' of tag_pattern {pattern!r} takes no part in the tag "
+                             f"{match.group(0)!r:.120}, so its value parser {parser.get('name', 'text')!r} has no "
+                             "text to read")
         key, value = found["key"], _sub_value(found.get("value", ""), parser, budget)
         if args.get("merge_duplicates", False) and key in out:
             if key not in merged:

@@ -806,6 +806,42 @@ def test_a_bad_value_parser_by_is_refused_naming_it(by: Any, says: str) -> None:
         parse_response(compile_template(template), "<call=f><int name=a>1</int></call>")
 
 
+def xml_optional(tag_pattern: str, value_parser: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A template whose calls are tags of `tag_pattern`, each value read by `value_parser`."""
+    args = {"tag_pattern": tag_pattern, **({"value_parser": value_parser} if value_parser else {})}
+    return {"start_anchor": "<start>", "fields": {"content": {}, "tool_calls": {
+        "open": "<call>", "close": "</call>", "content": "xml-inline", "content_args": args}}}
+
+
+@pytest.mark.parametrize("parser", [{"name": "int"}, {"name": "json"}, {"name": "text"}])
+def test_xml_inline_tag_whose_value_group_takes_no_part_is_a_reply_the_template_cannot_read(parser: Any) -> None:
+    """A tag_pattern with an optional value group, <(?P<key>\\w+)(?:=(?P<value>[^>]*))?>, and a tag without one
+    (<b>): its value parser was handed None, an AttributeError / TypeError that the readers, which answer a reply the
+    template cannot read as text (they catch ValueError), let through. It is a ValueError naming the group and the
+    tag; with no value parser the value is None, as in transformers (a pattern with no value group reads '')."""
+    optional = r"<(?P<key>\w+)(?:=(?P<value>[^>]*))?>"
+    template = xml_optional(optional, parser)
+    with pytest.raises(ValueError, match=r"^xml-inline: the group 'value' of tag_pattern .* takes no part in the tag "
+                                         rf"'<b>', so its value parser '{parser['name']}' has no text to read$"):
+        parse_response(compile_template(template), "<call><a=1><b></call>")
+    compiled = compile_template(template)
+    assert answer_without_tools(lambda reply: parse_response(compiled, reply, keep_empty=True),
+                                lambda: PartialReader(regions_only(compiled)), str, "hi <call><b></call>") is None
+    assert ours("<call><a=1><b></call>", xml_optional(optional))["tool_calls"] == {"a": "1", "b": None}
+    assert ours("<call><a=1><b></call>", xml_optional(optional)) == theirs("<call><a=1><b></call>", xml_optional(optional))
+    assert ours("<call><a></call>", xml_optional(r"<(?P<key>\w+)>"))["tool_calls"] == {"a": ""}
+
+
+def test_xml_inline_key_group_that_takes_no_part_is_not_called_missing() -> None:
+    """An optional key group that takes no part in a tag was reported as "tag_pattern has no group named 'key'",
+    which it has; the tag is what names no key."""
+    with pytest.raises(ValueError, match=r"^xml-inline: the group 'key' of tag_pattern .* takes no part in the tag "
+                                         r"'<=1>', which so names no key$"):
+        parse_response(compile_template(xml_optional(r"<(?P<key>\w+)?=(?P<value>[^>]*)>")), "<call><=1></call>")
+    with pytest.raises(ValueError, match=r"^xml-inline: tag_pattern .* has no group named 'key'$"):
+        parse_response(compile_template(xml_optional(r"<(?P<name>\w+)=(?P<value>[^>]*)>")), "<call><a=1></call>")
+
+
 def test_a_read_after_a_whole_replys_read_starts_over_even_after_a_failure() -> None:
     """A reader's read of a whole reply (ended=True) that failed, on a call cut inside its JSON, failed every later
     read of a longer text with the same words, where a fresh reader reads it."""
