@@ -665,6 +665,32 @@ def test_a_run_stopped_by_a_signal_exits_with_its_status(tmp_path, monkeypatch, 
     assert read_trainer_state(tmp_path / "out" / "trainer_state.pt")["step"] == 1  # saved, to be resumed
 
 
+@pytest.mark.parametrize("name, status", [("SIGTERM", 143), pytest.param("SIGHUP", 129, marks=pytest.mark.skipif(
+    not hasattr(signal, "SIGHUP"), reason="no SIGHUP here"))])
+def test_a_signal_while_the_data_is_read_stops_the_run_with_a_word(tmp_path, monkeypatch, capsys, name, status):
+    """A SIGTERM (a scheduler's time limit) or SIGHUP while train read its data or loaded the model (minutes, for a
+    large corpus) met the signal's default action: the process died without a word, leaving --out behind locked.
+    train's loop takes them itself (to save); before it they stop the run as a Ctrl-C does."""
+    import blockpress.data
+
+    signum = getattr(signal, name)
+    real = blockpress.data.load_jsonl
+
+    def read_then_signal(*args, **kwargs):
+        os.kill(os.getpid(), signum)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(blockpress.data, "load_jsonl", read_then_signal)
+    data = write_data(tmp_path / "d.jsonl")
+    previous = signal.signal(signum, lambda *_: pytest.fail(f"{name} reached the default handler"))
+    try:
+        assert main(train_args(data, tmp_path / "out", steps=3)) == status
+    finally:
+        signal.signal(signum, previous)
+    assert f"blockpress train: stopped by {name}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # (made by this run, and left as a Ctrl-C leaves it: removed)
+
+
 @pytest.mark.parametrize("saved_before", [False, True])
 def test_a_second_ctrl_c_says_what_the_folder_holds(tmp_path, monkeypatch, capsys, saved_before):
     """A second Ctrl-C stops at once, that step unsaved, and said only "blockpress train: interrupted", where the

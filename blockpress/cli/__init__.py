@@ -120,9 +120,9 @@ def run_command(args: argparse.Namespace) -> int:
         if getattr(args, "device", None) == "auto":  # (the default) named before the command reads it: its notes,
             # torchrun's GPU per process and its --json say the device the run is on
             args.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if args.command in ("train", "serve"):  # each takes its stop signals itself (a save; uvicorn's shutdown)
+        if args.command == "serve":  # it takes its stop signals itself (uvicorn's shutdown)
             code = args.func(args)
-        else:
+        else:  # (train's loop takes them itself, to save; before it, as it reads its data and loads, they stop it)
             with stop_signals_interrupt():
                 code = args.func(args)
         if sys.stdout is not None:  # a reader gone away (`| head`) is met here, not in the interpreter's last flush
