@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import itertools
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -766,23 +765,24 @@ def _splits_at_boundaries(tokenizer: Any) -> bool:
 def encode_document(tokenizer: Any, text: str, chunk: int | None = None) -> list[int]:
     """tokenizer.encode(text), the same ids, encoded in pieces of about `chunk` characters where the tokenizer
     allows (_splits_at_boundaries): see _encoded_pieces."""
-    return [t for piece in _encoded_pieces(tokenizer, text, chunk) for t in piece]
+    return [t for _, piece in _encoded_pieces(tokenizer, text, chunk) for t in piece]
 
 
-def _encoded_pieces(tokenizer: Any, text: str, chunk: int | None = None) -> Iterator[list[int]]:
-    """The ids of `text` a piece at a time: tokenizers holds some 500 bytes per token of one string while it encodes
-    it (an 18 MB .txt file peaked at 3.1 GB; a 100 MB one would take 17 GB), so a large file or {"text"} line is
-    encoded in pieces cut at _PIECE_BOUNDARY, whose ids are the whole text's. A tokenizer that may merge across
-    such a point gets the text whole. `chunk`: characters a piece takes at least, DOCUMENT_CHUNK unless given."""
+def _encoded_pieces(tokenizer: Any, text: str, chunk: int | None = None) -> Iterator[tuple[int, list[int]]]:
+    """The ids of `text` a piece at a time, each with the piece's length in characters (for a progress bar):
+    tokenizers holds some 500 bytes per token of one string while it encodes it (an 18 MB .txt file peaked at
+    3.1 GB; a 100 MB one would take 17 GB), so a large file or {"text"} line is encoded in pieces cut at
+    _PIECE_BOUNDARY, whose ids are the whole text's. A tokenizer that may merge across such a point gets the text
+    whole. `chunk`: characters a piece takes at least, DOCUMENT_CHUNK unless given."""
     chunk = chunk or DOCUMENT_CHUNK
     if len(text) <= chunk or not _splits_at_boundaries(tokenizer):
-        yield tokenizer.encode(text)
+        yield len(text), tokenizer.encode(text)
         return
     start = 0
     while start < len(text):
         cut = _PIECE_BOUNDARY.search(text, start + chunk) if len(text) - start > chunk else None
         end = cut.start() if cut else len(text)
-        yield tokenizer.encode(text[start:end])
+        yield end - start, tokenizer.encode(text[start:end])
         start = end
 
 
@@ -792,7 +792,7 @@ def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None, *
     each document's tokens, then EOS), so training cuts it into windows as it cuts token shards. `path`: a
     .txt/.py/.md file, a folder of them (searched recursively), or JSONL lines {"text": ...} (a file, a glob or
     a folder of them: jsonl_files). `progress(done, total)`: called with the characters tokenized so far and in all,
-    after each document (a corpus of hundreds of MB takes minutes)."""
+    first with none done, then after each piece of a document (a corpus of hundreds of MB takes minutes)."""
     files = jsonl_files(path)  # {"text"} lines: a file, a glob or a folder of them
     path = Path(path)
     if tokenizer is None:
@@ -836,11 +836,15 @@ def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None, *
     documents = [text for _, text in texts if text.strip()]
     tokens: list[np.ndarray] = []
     done, total = 0, sum(map(len, documents))
+    if progress is not None:  # the total at once: a bar without one, over one large file, showed nothing for minutes
+        progress(done, total)
     for text in documents:
-        tokens += [np.array(ids, dtype=np.uint32) for ids in itertools.chain(_encoded_pieces(tokenizer, text), [eos])]
-        done += len(text)
-        if progress is not None:
-            progress(done, total)
+        for length, ids in _encoded_pieces(tokenizer, text):  # (a large document a piece at a time: its bar moves)
+            tokens.append(np.array(ids, dtype=np.uint32))
+            done += length
+            if progress is not None:
+                progress(done, total)
+        tokens.append(np.array(eos, dtype=np.uint32))
     flat = np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.uint32)
     if vocab_size is not None and len(flat) and int(flat.max()) >= vocab_size:
         raise ValueError(f"{path}: the tokenizer gives id {int(flat.max())}, outside the model's vocabulary of "

@@ -563,7 +563,7 @@ def test_raw_texts_tokenizing_is_reported_and_shown_on_a_terminal_alone(tmp_path
     plain = load_text(folder, tok).arrays[0].tolist()
     assert load_text(folder, tok, progress=lambda done, total: calls.append((done, total))).arrays[0].tolist() == plain
     kept = [len(d) for d in docs if d.strip()]  # (a blank document is left out)
-    assert calls == [(sum(kept[: i + 1]), sum(kept)) for i in range(len(kept))]
+    assert calls == [(0, sum(kept))] + [(sum(kept[: i + 1]), sum(kept)) for i in range(len(kept))]
     main_fd, terminal_fd = pty.openpty()
     fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # (a new pty has 0 columns)
     terminal = open(terminal_fd, "w", buffering=1, closefd=True)
@@ -875,8 +875,11 @@ def test_a_large_raw_text_file_is_encoded_a_piece_at_a_time(tmp_path, tok, monke
     encode = type(tok).encode
     monkeypatch.setattr(type(tok), "encode", lambda self, s, *a, **k: lengths.append(len(s)) or encode(self, s, *a, **k))
     monkeypatch.setattr(data, "DOCUMENT_CHUNK", 4096, raising=False)
-    shards = load_text(tmp_path / "big.txt", tok)
+    calls = []
+    shards = load_text(tmp_path / "big.txt", tok, progress=lambda done, total: calls.append((done, total)))
     assert shards.arrays[0].tolist() == whole
+    # the bar moves a piece at a time (a single large file was one step: the bar stood at 0 for minutes)
+    assert calls[0] == (0, len(text)) and calls[-1] == (len(text), len(text)) and len(calls) == len(lengths) + 1
     # pieces of about 4096 characters (cut at the first split past it): as many as pieces of 4096 + 200 would make
     # (the count of whole 4096s alone failed once train.py grew past 27 of them, each piece a little longer)
     assert max(lengths) < 4096 + 200 and len(lengths) >= -(-len(text) // (4096 + 200)) > 1, (len(lengths), max(lengths))

@@ -679,7 +679,9 @@ def train_corpus(path: str, flag: str, tokenizer: Any, vocab_size: int, quiet: b
     bar = progress_bar(desc=f"{flag} tokenizing", unit="char", unit_scale=True, hidden=quiet)
 
     def advance(done: int, total: int) -> None:
-        bar.total = total
+        if bar.total != total:
+            bar.total = total
+            bar.refresh()  # (the total at once, before the first piece is done)
         bar.update(done - bar.n)
 
     try:
