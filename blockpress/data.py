@@ -786,6 +786,23 @@ def _encoded_pieces(tokenizer: Any, text: str, chunk: int | None = None) -> Iter
         start = end
 
 
+def load_corpus(path: str, flag: str, tokenizer: Any, vocab_size: int, *,
+                progress: Callable[[int, int], None] | None = None) -> TokenShards:
+    """Running text to train or evaluate on, as `blockpress train` and a Trainer read it: raw text (a .txt/.py/.md
+    file, a folder of them, JSONL lines {"text": ...}) tokenised in memory (load_text, `progress` alike), or a glob of
+    token shards; errors name `flag` (--data, heldout_data)."""
+    if is_examples(path):  # neither running text nor shards, whatever its name
+        raise ValueError(f"{flag} {path}: JSONL examples (prompt/response, messages or ids); running text is "
+                         "{\"text\": ...} JSONL lines, a .txt/.py/.md file or a folder of them, or a glob of token "
+                         "shards")
+    if not is_raw_text(path):
+        return TokenShards(shard_files(path, flag), vocab_size)
+    try:
+        return load_text(path, tokenizer, vocab_size, progress=progress)
+    except (ValueError, OSError) as exc:  # their messages start with the path
+        raise type(exc)(f"{flag} {exc}") from None
+
+
 def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None, *,
               progress: Callable[[int, int], None] | None = None) -> TokenShards:
     """Raw text as one in-memory shard, laid out as write_shard lays out documents (scripts/build_code_corpus.py:

@@ -33,7 +33,7 @@ import time
 import warnings
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TypeVar
 
@@ -56,7 +56,19 @@ from .checkpoint import (
 )
 from .checks import is_finite_number, is_int, warn_user
 from .config import ModelConfig
-from .data import TRAIN_CONFIG_FILE, TRAINER_STATE_FILE, Batch, Example, TokenShards, check_fits, make_batch
+from .data import (
+    TRAIN_CONFIG_FILE,
+    TRAINER_STATE_FILE,
+    Batch,
+    Example,
+    TokenShards,
+    check_fits,
+    is_examples,
+    load_corpus,
+    load_jsonl,
+    make_batch,
+    split_heldout,
+)
 from .files import (
     StagedFiles,
     expand_user,
@@ -1003,6 +1015,45 @@ def warn_unused_settings(cfg: TrainConfig, device: torch.device, heldout: Any) -
         warn_user(f"{why}; ignored")
 
 
+def _settings_heldout(lm: LM, cfg: TrainConfig, source: Any, heldout: Any) -> tuple[Any, Any]:
+    """(source, heldout) with the held-out data the settings name read where no `heldout` is given, as `blockpress
+    train` reads it: heldout_data, JSONL examples (chat_turns alike) beside examples, running text or token shards
+    beside running text; or the heldout fraction of the examples split off the ones trained on (split_heldout). A
+    `heldout` given is the caller's reading of them (`blockpress train` gives its own)."""
+    if heldout is not None or not (cfg.heldout or cfg.heldout_data):
+        return source, heldout
+    if cfg.heldout and cfg.heldout_data:
+        raise ValueError("heldout/heldout_data: the held-out examples are a fraction of the training examples or "
+                         "the examples of heldout_data; give one of them")
+    if isinstance(source, ExampleSource):
+        if cfg.heldout:
+            train, held = split_heldout(source.examples, cfg.heldout)
+            # (none held out of a few examples: nothing to evaluate, as `blockpress train` says)
+            return (ExampleSource(train, source.seed), ExampleSource(held, cfg.seed)) if held else (source, None)
+        assert cfg.heldout_data is not None
+        if not is_examples(cfg.heldout_data):
+            raise ValueError(f"heldout_data {cfg.heldout_data}: not JSONL examples; with JSONL examples to train on, "
+                             "held-out examples are a JSONL file of them (or the heldout fraction of the examples)")
+        text = lm.config.text
+        try:
+            held = load_jsonl(cfg.heldout_data, lm.tokenizer, text.vocab_size, chat_turns=cfg.chat_turns,
+                              context=(lm.config.canvas_length, text.max_position_embeddings, cfg.max_canvases or None))
+        except (ValueError, OSError) as exc:  # their messages start with the path
+            raise type(exc)(f"heldout_data {exc}") from None
+        return source, ExampleSource(held, cfg.seed)
+    if isinstance(source, ShardSource):
+        if cfg.heldout:  # running text has no examples to split
+            raise ValueError("heldout: a fraction of JSONL examples; with running text to train on, give the "
+                             "held-out text or shards as heldout_data")
+        assert cfg.heldout_data is not None
+        corpus = load_corpus(cfg.heldout_data, "heldout_data", lm.tokenizer, lm.config.text.vocab_size)
+        return source, ShardSource(corpus, cfg, lm.config.canvas_length, source.bos)
+    # a source of its own (anything with batch(step, size)): which of its data is held out is its own to say
+    name = "heldout" if cfg.heldout else "heldout_data"
+    raise ValueError(f"{name}: read beside an ExampleSource's or ShardSource's data, and this run's source is a "
+                     f"{type(source).__name__}; give its held-out data as Trainer(..., heldout=...)")
+
+
 def _check_evaluation(cfg: TrainConfig, source: Any, heldout: Any) -> None:
     """The settings of the examples, and of the evaluation: held-out data and evaluating settings go together."""
     if isinstance(source, ExampleSource):
@@ -1020,13 +1071,18 @@ def _check_trainable(lm: LM, cfg: TrainConfig, world: int) -> None:
     this run can update (not float16 ones, not quantized ones but under adapters, no adapters over adapters)."""
     if cfg.batch_size % world:
         raise ValueError(f"batch_size: {cfg.batch_size} is not divisible by the {world} processes")
-    if lm.dtype == torch.float16 and not cfg.lora_rank:
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype else lm.dtype  # the weights trained (_trained_model casts them)
+    if dtype != lm.dtype and lm.quantization is not None:  # (its scales keep their own dtype: lm.to refuses a cast)
+        raise ValueError(f"dtype: the model is quantized ({lm.quantization}) in {str(lm.dtype).removeprefix('torch.')}, "
+                         f"and a quantized model's dtype cannot change; load it with dtype={cfg.dtype!r} (blockpress."
+                         f"load(..., dtype={cfg.dtype!r}, quantize={lm.quantization!r})), or leave dtype out")
+    if dtype == torch.float16 and not cfg.lora_rank:
         # AdamW's updates of float16 weights overflow or round away (a full fine-tune goes NaN at its first update,
         # which reads as a divergence to cure with a lower lr). Adapters over a float16 base train in float32,
         # their gradient brought through the base's float16 activations by loss scaling (below).
         raise ValueError("dtype: the model's weights are float16, which a full fine-tune cannot update (AdamW's "
-                         "float16 steps overflow or round away); train float32 weights (blockpress.load(..., "
-                         "dtype='float32'); blockpress train: --dtype float32), whose matmuls can still run in "
+                         "float16 steps overflow or round away); train float32 weights (dtype='float32' in the settings; "
+                         "blockpress train: --dtype float32), whose matmuls can still run in "
                          "float16 with loss scaling (--autocast-dtype float16, the default on a GPU without "
                          "bfloat16), or bfloat16 ones, or LoRA adapters over the float16 base (--lora-rank R)")
     if lm.quantization is not None and lm.quantization != cfg.quantize:
@@ -1102,8 +1158,10 @@ def _set_noise(lm: LM, cfg: TrainConfig) -> None:
 
 
 def _trained_model(lm: LM, cfg: TrainConfig) -> DiffusionGemma:
-    """The model, quantized and given LoRA adapters as the settings say, its trained weights each in memory of its
+    """The model, cast, quantized and given LoRA adapters as the settings say, its trained weights each in memory of its
     own (in train mode at each step alone: Trainer.train_step)."""
+    if cfg.dtype is not None and lm.dtype != getattr(torch, cfg.dtype):  # (blockpress train loads it in that dtype)
+        lm.to(dtype=cfg.dtype)  # before it is quantized: the base's dtype is the one it is quantized from
     if cfg.quantize is not None and lm.quantization is None:  # (blockpress train quantizes while loading)
         lm.quantize(cfg.quantize)
     model = lm.model
@@ -1175,14 +1233,22 @@ class Trainer:
         heldout: ExampleSource | ShardSource | None = None,
         progress: bool = True,
         on_step: Callable[[int, float], None] | None = None,
-        merged_dtype: torch.dtype = torch.float32,
+        merged_dtype: torch.dtype | None = None,
         data: str | None = None,
     ):
-        """`merged_dtype`: LoRA, the dtype of the final checkpoint, the adapters merged in float32 (see merge_lora).
-        `data`: where `source` was read from (`blockpress train`: --data), saved with the run with the source's size:
-        `resume` warns when a run continues on other data."""
+        """`cfg` is applied whole, as `blockpress train` applies it: its dtype casts `lm` (after every refusal), and
+        where no `heldout` is given, its heldout_data is read, or its heldout fraction split off `source`'s examples
+        (_settings_heldout). `merged_dtype`: LoRA, the dtype of the final checkpoint, the adapters merged in float32
+        (see merge_lora); None: cfg.dtype's, else float32. `data`: where `source` was read from (`blockpress train`:
+        --data), saved with the run with the source's size: `resume` warns when a run continues on other data."""
+        source, heldout = _settings_heldout(lm, cfg, source, heldout)
+        if cfg.heldout_data:  # recorded with the run as --data is, whole: --resume from another folder reads it too
+            cfg = replace(cfg, heldout_data=str(Path(cfg.heldout_data).resolve()))
         self.lm, self.source, self.cfg, self.heldout = lm, source, cfg, heldout
-        self.merged_dtype = merged_dtype
+        if merged_dtype is not None and cfg.dtype is not None and merged_dtype != getattr(torch, cfg.dtype):
+            raise ValueError(f"merged_dtype: {str(merged_dtype).removeprefix('torch.')} is not the run's dtype "
+                             f"{cfg.dtype} (the settings' dtype is the saved checkpoint's); give one of them")
+        self.merged_dtype = merged_dtype or (getattr(torch, cfg.dtype) if cfg.dtype else torch.float32)
         self.data = {"path": data, "size": _source_size(source)}
         _check_evaluation(cfg, source, heldout)
         self.out = expand_user(out_dir, "out_dir")  # as load reads a model at ~/...

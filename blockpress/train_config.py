@@ -112,22 +112,24 @@ class TrainConfig:
     time_schedule: bool = setting(False, "with --max-minutes: the cosine decay follows the elapsed fraction of the budget")
     data_workers: int = setting(0, "processes building batches ahead of the optimizer (0: built in the training loop)")
     compile: bool = setting(False, "torch.compile the training forward and backward (the first steps pay the compile)")
-    # What `blockpress train` reads of a chat record (load_jsonl), kept with the run so that --resume reads the same.
+    # What `blockpress train` reads of a chat record (load_jsonl), kept with the run so that --resume reads the same
+    # (a Trainer reads heldout_data by it; its training examples come read, by load_jsonl(..., chat_turns=) alike).
     chat_turns: str = setting("all", "chat `messages` records: train on every assistant turn that answers a user, "
                               "one example each, prompted with the conversation before it (all: examples, batches and "
                               "epochs count turns, and a chat's turns are held out together), or on its last turn "
                               "alone (last)",
                               choices=CHAT_TURNS)
     # What `blockpress train` holds out of --data for the eval loss, kept with the run so that --resume keeps the
-    # split (a Trainer takes its held-out data as an argument).
+    # split (a Trainer given no heldout= argument reads and splits them alike: _settings_heldout).
     heldout: float | None = setting(None, "JSONL examples: the fraction held out for the eval loss, chosen by "
                                           "content hash (default: 0.02, or none with --heldout-data); not for raw "
                                           "text (give --heldout-data)")
     heldout_data: str | None = setting(None, "held-out data for the eval loss, as --data takes it: with JSONL "
                                              "examples, a JSONL file of examples; with raw text or token shards, "
                                              "held-out text or a glob of held-out shards")
-    # The weights' dtype as `blockpress train` loads them (a Trainer takes its model, and merged_dtype, as arguments),
-    # kept with the run so that --resume trains on in it.
+    # The weights' dtype as `blockpress train` loads them (a Trainer casts the model it is given to it, and merges a
+    # LoRA run's adapters into it; None there: the model's own dtype), kept with the run so that --resume trains on in
+    # it.
     dtype: str | None = setting(None, "weights dtype while training, and of the saved checkpoint (default: float32, "
                                 "since AdamW on bf16 weights rounds small updates away; with --lora-rank, the frozen "
                                 "base stays in its own dtype while training and the adapters are merged into a "

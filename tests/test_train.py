@@ -1856,3 +1856,74 @@ def test_a_lora_target_names_a_layer_or_the_end_of_one_after_a_dot():
     for target in ("_proj", "roj", "self_attn"):
         with pytest.raises(ValueError, match=f"^lora_targets: this model has no {target} layer"):
             check_lora_targets(model, [target])
+
+
+def test_a_trainer_applies_its_settings_dtype_to_the_model_it_trains_and_saves(tmp_path):
+    """TrainConfig(dtype="float32") given to a Trainer over a bfloat16 model was recorded in train_config.json and
+    ignored: the run trained (AdamW rounding small updates away) and saved bfloat16 weights, without a word."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=32, canvas_length=8), seed=0, dtype="bfloat16")
+    cfg = TrainConfig(steps=1, batch_size=2, warmup_steps=0, dtype="float32")
+    Trainer(lm, ExampleSource(EXAMPLES, 0), cfg, tmp_path / "run", progress=False).train()
+    assert lm.dtype == torch.float32 and saved_dtype(tmp_path / "run") == torch.float32
+    assert json.loads((tmp_path / "run" / "train_config.json").read_text())["dtype"] == "float32"
+    # a float16 model is refused for a full fine-tune unless the settings train it in another dtype
+    half = blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=32, canvas_length=8), dtype="float16")
+    with pytest.raises(ValueError, match="dtype: the model's weights are float16"):
+        Trainer(half, ExampleSource(EXAMPLES, 0), replace(cfg, dtype=None), tmp_path / "half", progress=False)
+    Trainer(half, ExampleSource(EXAMPLES, 0), cfg, tmp_path / "half", progress=False)
+    assert half.dtype == torch.float32
+    # a quantized model cannot be cast: refused by name, the model left as it was
+    quantized = tiny_lm().quantize("int8")
+    with pytest.raises(ValueError, match=r"dtype: the model is quantized \(int8\) in float32"):
+        Trainer(quantized, ExampleSource(EXAMPLES, 0), TrainConfig(lora_rank=2, quantize="int8", dtype="bfloat16"),
+                tmp_path / "q", progress=False)
+    assert quantized.dtype == torch.float32
+    with pytest.raises(ValueError, match="merged_dtype: bfloat16 is not the run's dtype float32"):
+        Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), cfg, tmp_path / "m", merged_dtype=torch.bfloat16)
+
+
+def test_a_lora_trainers_settings_dtype_is_its_merged_checkpoints(tmp_path):
+    """A LoRA run's dtype setting is the dtype of its merged checkpoint, as `blockpress train --dtype` saves it (a
+    Trainer merged into float32 whatever the settings said)."""
+    pytest.importorskip("peft")
+    cfg = TrainConfig(steps=1, batch_size=2, warmup_steps=0, lora_rank=2, dtype="bfloat16")
+    trainer = Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), cfg, tmp_path / "run", progress=False)
+    assert trainer.merged_dtype == torch.bfloat16
+    trainer.train()
+    assert saved_dtype(tmp_path / "run") == torch.bfloat16
+
+
+def test_a_trainer_reads_the_heldout_data_its_settings_name(tmp_path):
+    """TrainConfig(heldout_data=..., heldout=...) given to a Trainer without heldout= were recorded in
+    train_config.json (which --resume reads back as the run's) and ignored: no held-out evaluation ran."""
+    from blockpress.data import TokenShards, write_shard
+    from blockpress.train import ShardSource
+
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"prompt_ids": e.prompt, "response_ids": e.response}) + "\n"
+                            for e in EXAMPLES[:2]))
+    cfg = TrainConfig(steps=1, batch_size=2, warmup_steps=0, eval_batches=1, heldout_data=str(held))
+    result = Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), cfg, tmp_path / "run", progress=False).train()
+    assert [step for step, _ in result.eval_losses] == [1]
+    assert json.loads((tmp_path / "run" / "train_config.json").read_text())["heldout_data"] == str(held.resolve())
+    # the heldout fraction is split off the examples, as `blockpress train` splits --data
+    many = [Example([2, 3 + i % 20], [4 + i % 25, 5]) for i in range(200)]
+    split = Trainer(tiny_lm(), ExampleSource(many, 0), TrainConfig(heldout=0.25), tmp_path / "split", progress=False)
+    assert split.heldout is not None and len(split.source.examples) + len(split.heldout.examples) == 200
+    assert 0 < len(split.heldout.examples) < 100
+    # running text takes its held-out text or shards
+    write_shard(tmp_path / "held.bin", [list(range(3, 30))], 32)
+    text = ShardSource(TokenShards.of_tokens(np.arange(3, 30)), TrainConfig(prompt_min=2, prompt_max=4), 8)
+    shards = Trainer(tiny_lm(), text, TrainConfig(prompt_min=2, prompt_max=4, heldout_data=str(tmp_path / "held.bin")),
+                     tmp_path / "text", progress=False)
+    assert isinstance(shards.heldout, ShardSource) and shards.heldout.shards.tokens == 27
+    for bad, match in ((TrainConfig(heldout=0.1, heldout_data=str(held)), "heldout/heldout_data: .* give one of them"),
+                       (TrainConfig(heldout_data=str(tmp_path / "held.bin")), "heldout_data .*: not JSONL examples")):
+        with pytest.raises(ValueError, match=match):
+            Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), bad, tmp_path / "bad", progress=False)
+    with pytest.raises(ValueError, match="heldout: a fraction of JSONL examples"):
+        Trainer(tiny_lm(), text, TrainConfig(prompt_min=2, prompt_max=4, heldout=0.1), tmp_path / "bad",
+                progress=False)
+    with pytest.raises(ValueError, match="heldout_data .*held.jsonl: JSONL examples"):
+        Trainer(tiny_lm(), text, TrainConfig(prompt_min=2, prompt_max=4, heldout_data=str(held)), tmp_path / "bad",
+                progress=False)

@@ -486,19 +486,15 @@ def _shard_sources(args: argparse.Namespace, lm: LM, cfg: TrainConfig) -> Source
 def _start_run(args: argparse.Namespace, lm: LM, sources: Sources, stale_metrics: bool) -> Run:
     """The Trainer built (its checks are the last a run is refused by), the stale metrics of a run that never saved
     replaced, and a resumed run's state restored."""
-    import torch
-
     from blockpress.train import ExampleSource, Trainer
 
     cfg, source = sources.cfg, sources.source
     base_dtype = lm.widened_from or lm.dtype  # the checkpoint's (a bf16 base widened for this CPU is a bf16 base)
-    # LoRA: the adapters are merged in float32 at the end; the checkpoint stays float32 unless --dtype asks to round
-    merged_dtype = getattr(torch, cfg.dtype) if cfg.dtype else torch.float32
-    if cfg.heldout_data:  # recorded with the run as --data is, whole: --resume from another folder reads it too
-        cfg = dataclasses.replace(cfg, heldout_data=str(Path(cfg.heldout_data).resolve()))
+    # (LoRA: the adapters are merged in float32 at the end; the checkpoint stays float32 unless --dtype asks to round,
+    # trainer.merged_dtype. --heldout-data is recorded whole, trainer.cfg's)
     trainer = Trainer(lm, source, cfg, args.out, heldout=sources.heldout, progress=not args.quiet,
-                      merged_dtype=merged_dtype,
                       data=str(Path(args.data).resolve()))  # one spelling of a file: --resume compares them
+    cfg = trainer.cfg
     if trainer.prompts_healed and trainer.rank == 0 and isinstance(source, ExampleSource):  # (only examples heal)
         print(f"--data: {trainer.prompts_healed} of {len(source.examples)} training prompts end in whitespace that "
               "token healing would re-choose, and the model learns to answer after it as it is: its generation "
@@ -510,7 +506,7 @@ def _start_run(args: argparse.Namespace, lm: LM, sources: Sources, stale_metrics
         (Path(args.out) / "metrics.jsonl").unlink()
     if args.resume:
         trainer.resume()
-    return Run(lm=lm, trainer=trainer, cfg=cfg, base_dtype=base_dtype, merged_dtype=merged_dtype)
+    return Run(lm=lm, trainer=trainer, cfg=cfg, base_dtype=base_dtype, merged_dtype=trainer.merged_dtype)
 
 
 def _trainable(trainer: Trainer) -> dict[str, Any]:
@@ -663,19 +659,13 @@ def _times(ratio: float) -> str:
 
 
 def train_corpus(path: str, flag: str, tokenizer: Any, vocab_size: int, quiet: bool = False) -> Any:
-    """Running text for `train` as TokenShards: raw text (a .txt/.py/.md file, a folder of them, JSONL lines
-    {"text": ...}) tokenised in memory, with a bar of the characters done on a terminal's stderr unless `quiet`
-    (a large corpus takes minutes without a sign), or a glob of token shards; errors name `flag`."""
-    from blockpress.data import TokenShards, is_examples, is_raw_text, load_text, shard_files
-
-    if is_examples(path):  # neither running text nor shards, whatever its name
-        raise ValueError(f"{flag} {path}: JSONL examples (prompt/response, messages or ids); running text is "
-                         "{\"text\": ...} JSONL lines, a .txt/.py/.md file or a folder of them, or a glob of token "
-                         "shards")
-    if not is_raw_text(path):
-        return TokenShards(shard_files(path, flag), vocab_size)
+    """Running text for `train` as TokenShards (data.load_corpus), with a bar of the characters tokenised on a
+    terminal's stderr unless `quiet` (a large corpus takes minutes without a sign); errors name `flag`."""
     from blockpress.cli.output import progress_bar
+    from blockpress.data import is_raw_text, load_corpus
 
+    if not is_raw_text(path):  # token shards (or examples, which it refuses): nothing to tokenise, no bar
+        return load_corpus(path, flag, tokenizer, vocab_size)
     bar = progress_bar(desc=f"{flag} tokenizing", unit="char", unit_scale=True, hidden=quiet)
 
     def advance(done: int, total: int) -> None:
@@ -685,9 +675,7 @@ def train_corpus(path: str, flag: str, tokenizer: Any, vocab_size: int, quiet: b
         bar.update(done - bar.n)
 
     try:
-        return load_text(path, tokenizer, vocab_size, progress=advance)
-    except (ValueError, OSError) as exc:  # their messages start with the path
-        raise type(exc)(f"{flag} {exc}") from None
+        return load_corpus(path, flag, tokenizer, vocab_size, progress=advance)
     finally:
         bar.close()
 
