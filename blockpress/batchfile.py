@@ -120,6 +120,8 @@ SAMPLING_KEYS = ("steps", "max_denoising_steps", "sampler", "entropy_bound", "co
                  "token_healing", "no_token_healing")
 SAMPLING_FLAGS = {"max_denoising_steps": "--steps", "token_healing": "--token-healing / --no-token-healing",
                   "no_token_healing": "--no-token-healing", "draw_temperature": "--temperature"}
+# OpenAI's and transformers' names for a line's own length
+BUDGETS = dict.fromkeys(("max_tokens", "max_completion_tokens", "max_length"), 'a line\'s own budget is "max_new_tokens" here')
 # A line is one completion: the library's and the server's names for several samples of one prompt
 SAMPLES = dict.fromkeys(("n", "num_return_sequences", "seeds"),
                         'a line makes one completion: for several samples of a prompt, repeat its line, each with its '
@@ -145,8 +147,7 @@ GENERATE = LineKind(
                            "chat_template_kwargs", flags={**SAMPLING_FLAGS, "min_tokens": "--min-new-tokens",
                                                           "stop_strings": "--stop", "stop_sequences": "--stop"}),
                "system": 'a "messages" line\'s own system message, or --system for the whole run, sets it',
-               **dict.fromkeys(("max_tokens", "max_completion_tokens", "max_length"),
-                               'a line\'s own budget is "max_new_tokens" here'), **SAMPLES})
+               **BUDGETS, **SAMPLES})
 INFILL = LineKind(
     input_keys=("template", "prefix", "seed", "max_new_tokens"),
     output_keys=("line", "text", "fills", "template", "prefix", "new_tokens", "template_tokens", "filled_tokens",
@@ -155,7 +156,7 @@ INFILL = LineKind(
     given=lambda row: {"template": row.template, "prefix": row.prefix, **_own_seed(row)},
     unapplied={**_run_wide(*SAMPLING_KEYS, flags={**SAMPLING_FLAGS, "token_healing": "--no-token-healing"}),
                "hole_length": "<|hole:N|> in the template sizes a hole, or --hole-length every bare one",
-               "prompt": 'the context before a template is a line\'s "prefix" here', **SAMPLES})
+               "prompt": 'the context before a template is a line\'s "prefix" here', **BUDGETS, **SAMPLES})
 
 
 def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:

@@ -4938,7 +4938,7 @@ def test_an_input_line_giving_a_setting_no_line_reads_is_said_to_be_copied_not_a
     kind = getattr(batchfile, kind_name)
     base = {"prompt": "def f(x):"} if kind is batchfile.GENERATE else {"template": "x = <|hole|>"}
     own = ({"stop": ["\n"]}, {"min_new_tokens": 5}, {"max_tokens": 9}, {"system": "be brief"}) \
-        if kind is batchfile.GENERATE else ({"prompt": "def area(r):\n"}, {"hole_length": 4})
+        if kind is batchfile.GENERATE else ({"prompt": "def area(r):\n"}, {"hole_length": 4}, {"max_tokens": 9})
     for extra in (*own, {"temperature": 0.5}, {"max_denoising_steps": 4}, {"token_healing": False},
                   {"draw_temperature": 0.5}, {"n": 2}, {"num_return_sequences": 2}, {"seeds": [1, 2]}):
         (key,) = extra
