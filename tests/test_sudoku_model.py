@@ -591,6 +591,11 @@ def test_cli_reads_dashed_puzzles_and_points_one_that_starts_with_a_dash_past_ar
     assert said in capsys.readouterr().err
     main(["sudoku", "--model", str(path), "--json", "--steps", "1", "--", *board])
     assert json.loads(capsys.readouterr().out)["puzzle"] == p
+    rows = [p[i:i + 9].replace("0", "-") for i in range(0, 81, 9)]  # its rows as words: one starts with '-'
+    assert any(row.startswith("-") for row in rows)
+    with pytest.raises(SystemExit):  # (a 9-cell row word got no hint: only words of more than 9 characters did)
+        main(["sudoku", "--model", str(path), *rows])
+    assert said in capsys.readouterr().err
 
 def test_the_docs_give_the_shipped_sudoku_models_size_on_disk():
     """README, RESULTS.md and quantization.md said 4.4 MB for a safetensors file of 4,349,296 bytes (what

@@ -61,10 +61,11 @@ class CommandParser(Parser):
     def parse_known_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> tuple[Any, list[str]]:
         namespace, extras = super().parse_known_args(args, namespace)
         if extras:
-            # a puzzle whose first cell is empty ('-'), or a grid's border word ('------+-------+------', as
-            # format_board prints a board), reads to argparse as a flag it does not know
+            # a puzzle, a grid row or a box row ('-98') whose first cell is empty ('-'), or a grid's border word
+            # ('------+-------+------', as format_board prints a board), reads to argparse as a flag it does not know
+            # (a flag has letters; -1, a negative number, is a flag's value)
             cells = set("0123456789.-_*|+")
-            dashed = self.prog.endswith(" sudoku") and any(e.startswith("-") and len(e) > 9 and set(e) <= cells
+            dashed = self.prog.endswith(" sudoku") and any(e.startswith("-") and len(e) >= 3 and set(e) <= cells
                                                             for e in extras)
             self.error(f"unrecognized arguments: {' '.join(extras)}"
                        + ("; a puzzle or border word that starts with '-' goes after -- (blockpress sudoku [FLAGS] -- "
