@@ -5211,7 +5211,6 @@ def test_resume_refuses_an_output_made_with_other_settings_by_flag_before_the_mo
                 ([*base, "--chat"], "--chat: {}:1 was written without it, this run asks for it"),
                 ([*base, "--no-token-healing"], "--no-token-healing: {}:1 was written without it, this run asks for it"),
                 ([*base, "--dtype", "bfloat16"], "--dtype: {}:1 was written with float32, this run asks bfloat16"),
-                (base[:-2], "--dtype: {}:1 was written with float32, this run is without it"),
                 ([*base[:-4], *base[-2:]], "--seed: {}:1 was written with 11, this run is without it")]:
             assert main([*flags, "--resume"]) == 2
             assert capsys.readouterr().err == (f"blockpress generate: error: {message.format(out)}; resume with the "
@@ -5234,6 +5233,43 @@ def test_resume_refuses_an_output_made_with_other_settings_by_flag_before_the_mo
     monkeypatch.setattr("blockpress.cli.common.load_announced", lambda args: pytest.fail("the model loaded"))
     assert main([*run, "--hole-length", "4", "--resume"]) == 2
     assert f"--hole-length: {filled}:1 was written with 8, this run asks 4;" in capsys.readouterr().err
+
+
+def test_resume_checks_the_dtype_a_run_computes_in_given_or_by_default(tmp_path, capsys, monkeypatch):
+    """An output line recorded --dtype as typed, so with none given a bf16 checkpoint's rows made in bfloat16 on a
+    CPU with native bf16 matmuls were continued silently in float32 on one without (the file then held rows of
+    both), and an output made with --dtype float32 was refused by a run that computes in float32 by default. The
+    dtype is recorded as run, and with no --dtype checked once the load has picked it."""
+    from blockpress import checkpoint
+    from blockpress.cli.common import load_model
+
+    folder = tmp_path / "m"
+    load_model("random-tiny", "bfloat16", "cpu").save(folder)  # stored in bf16
+    src, out = write_input(tmp_path / "in.jsonl", INPUT_LINES[:2]), tmp_path / "out.jsonl"
+    run = ["generate", "--input", str(src), "--output", str(out), "--model", str(folder), "--max-new-tokens", "2",
+           "--steps", "1", "--threads", "1", "--seed", "3", "--no-live"]
+    holes, filled = write_input(tmp_path / "holes.jsonl", INFILL_LINES[:2]), tmp_path / "filled.jsonl"
+    fill = ["infill", "--input", str(holes), "--output", str(filled), "--model", str(folder), "--steps", "1",
+            "--threads", "1", "--seed", "3"]
+    for command, path in ((run, out), (fill, filled)):
+        monkeypatch.setattr(checkpoint, "cpu_computes_natively", lambda dtype: True)
+        assert main(command) == 0
+        first = path.read_text().splitlines(keepends=True)[0]
+        assert json.loads(first)["settings"]["dtype"] == "bfloat16"
+        path.write_text(first)
+        monkeypatch.setattr(checkpoint, "cpu_computes_natively", lambda dtype: False)  # loads in float32
+        capsys.readouterr()
+        assert main([*command, "--resume"]) == 2 and path.read_text() == first
+        assert capsys.readouterr().err.endswith(f" error: --dtype: {path}:1 was written with bfloat16, this run asks "
+                                                "float32; resume with the flags the output was made with, or give "
+                                                "--overwrite to start it again\n")
+        assert main([*command, "--resume", "--dtype", "bfloat16"]) == 0  # (emulated: slow, but these rows)
+    # made with --dtype float32, continued where float32 is the default
+    assert main([*run, "--dtype", "float32", "--overwrite"]) == 0
+    whole = out.read_text()
+    assert {json.loads(line)["settings"]["dtype"] for line in whole.splitlines()} == {"float32"}
+    out.write_text(whole.splitlines(keepends=True)[0])
+    assert main([*run, "--resume"]) == 0 and out.read_text() == whole
 
 
 def test_resume_knows_a_model_folder_however_it_is_spelled(tmp_path, capsys, monkeypatch):

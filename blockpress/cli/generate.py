@@ -251,6 +251,7 @@ def generate_file(args: argparse.Namespace) -> int:
     if len(done) == len(rows):
         return all_done(output, name)
     lm = load_text_model(args, "prompt")
+    settings = loaded_settings(args, output, GENERATE_SETTINGS, lm)
     if any(chats):
         check_chat_template(lm, args, "a chat line (--chat, or \"messages\")")
     kw = {k: v for k, v in sampling_kwargs(args, lm).items() if k not in ("max_new_tokens", "seed")}
@@ -374,15 +375,16 @@ def lines_done(args: argparse.Namespace, output: Path | None, rows: list[Any], k
                settings: dict[str, Any]) -> set[int]:
     """The input lines an existing --output holds already (--resume; none otherwise), read before the model loads:
     another file's output is refused then, not once a model of minutes has loaded, and so is one
-    made with other `settings` (run_settings), by the flag that differs; lines written before output lines
-    recorded their settings are taken unchecked, with a warning."""
+    made with other `settings` (run_settings), by the flag that differs (but for a dtype the load decides, which
+    loaded_settings checks); lines written before output lines recorded their settings are taken unchecked, with a
+    warning."""
     from blockpress.batchfile import check_settings, done_lines
 
     if output is None or not output.exists() or not args.resume:
         return set()
     done = done_lines(output, rows, kind)
     unchecked = check_settings(output, settings, lambda key: typed_flag(args, "--" + key.replace("_", "-")),
-                               recorded=recorded_setting)
+                               recorded=recorded_setting, skip=() if args.dtype is not None else ("dtype",))
     if unchecked:
         print_warning(f"--resume: {unchecked} line{'' if unchecked == 1 else 's'} of {output} "
                       f"{'was' if unchecked == 1 else 'were'} written before output lines recorded their settings; "
@@ -394,7 +396,9 @@ def lines_done(args: argparse.Namespace, output: Path | None, rows: list[Any], k
 # Not --batch-size: each row draws as it would alone (a resumed run batches the rows left otherwise anyway); nor
 # --prefill-chunk, --compile, --cuda-graphs, --threads (the same computation, up to the rounding batching moves too),
 # --no-live or --output. --device by its kind: a seed draws from a generator on the device, so a seeded row on cuda
-# is not the row on cpu.
+# is not the row on cpu. --dtype by the dtype the model computes in, given or not: with none given the load picks it
+# by the machine as --device's default does (a bf16 checkpoint computes in float32 on a CPU without native bf16
+# matmuls), and a bf16 row is not the float32 one.
 LOAD_SETTINGS = ("model", "adapter", "quantize", "dtype", "device")
 SAMPLING_SETTINGS = ("steps", "sampler", "entropy_bound", "confidence", "rank_by", "t_max", "t_min", "temperature",
                      "top_k", "top_p", "presence_penalty", "frequency_penalty", "seed", "no_token_healing")
@@ -402,19 +406,36 @@ GENERATE_SETTINGS = (*LOAD_SETTINGS, "max_new_tokens", "min_new_tokens", *SAMPLI
                      "system", "chat_template_kwargs")
 
 
-def run_settings(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
+def run_settings(args: argparse.Namespace, names: tuple[str, ...], lm: Any = None) -> dict[str, Any]:
     """The flags `names` as an --input run's output lines record them: each by its dest, a flag not given (None,
-    False, empty) left out; --device by its kind, and --token-healing (no_token_healing False) under its own name."""
+    False, empty) left out; --device by its kind, --dtype by the dtype the loaded `lm` computes in (before the
+    load, `lm` None: as given), and --token-healing (no_token_healing False) under its own name."""
     settings: dict[str, Any] = {}
     for name in names:
         value = getattr(args, name)
         if name == "device":
             value = value.split(":")[0]  # (cuda:1's rows are cuda:0's)
+        if name == "dtype" and lm is not None:
+            value = str(lm.dtype).removeprefix("torch.")  # (as --dtype names it: "bfloat16")
         if name == "no_token_healing" and value is False:
             name, value = "token_healing", True
         value = recorded_setting(name, value)
         if value is not None and value is not False and value != {} and value != []:
             settings[name] = value
+    return settings
+
+
+def loaded_settings(args: argparse.Namespace, output: Path | None, names: tuple[str, ...], lm: Any) -> dict[str, Any]:
+    """run_settings once `lm` has loaded, its dtype among them; with no --dtype, the one the load picked is checked
+    against an output resumed (lines_done, before the load, could not), so a file made in bfloat16 on one machine
+    is not continued in float32 on another, and one made with --dtype float32 is continued where float32 is the
+    default."""
+    from blockpress.batchfile import check_settings
+
+    settings = run_settings(args, names, lm)
+    if args.dtype is None and output is not None and output.exists() and args.resume:
+        check_settings(output, settings, lambda key: typed_flag(args, "--" + key.replace("_", "-")),
+                       recorded=recorded_setting)
     return settings
 
 

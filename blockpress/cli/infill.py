@@ -29,6 +29,7 @@ from blockpress.cli.generate import (
     check_file_flags,
     from_file,
     lines_done,
+    loaded_settings,
     run_file,
     run_settings,
 )
@@ -147,11 +148,12 @@ def infill_file(args: argparse.Namespace) -> int:
             check_template(row.template or "", args.hole_length, context)  # (an infill line has one)
         except ValueError as exc:
             raise ValueError(f"{name}:{row.line}: {exc}") from None
-    settings = run_settings(args, (*LOAD_SETTINGS, "hole_length", *SAMPLING_SETTINGS))
-    done = lines_done(args, output, rows, INFILL, settings)
+    names = (*LOAD_SETTINGS, "hole_length", *SAMPLING_SETTINGS)
+    done = lines_done(args, output, rows, INFILL, run_settings(args, names))
     if len(done) == len(rows):
         return all_done(output, name)
     lm = load_text_model(args, "template")
+    settings = loaded_settings(args, output, names, lm)
     kw = {k: v for k, v in sampling_kwargs(args, lm).items() if k not in ("max_new_tokens", "min_new_tokens", "seed")}
     healing = False if args.no_token_healing else None
     lm.stream("", template="<|hole:1|>", seed=args.seed, **kw)  # the flags alone: their errors name the flag
