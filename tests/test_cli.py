@@ -4856,6 +4856,35 @@ def test_generate_ar_input_checks_its_flags_and_every_line_before_the_output_is_
     assert main([*base, "--max-new-tokens", "3"]) == 0 and len(out.read_text().splitlines()) == 2
 
 
+def test_a_min_new_tokens_past_the_default_length_raises_it_in_input_rows_and_chat(tmp_path, capsys, monkeypatch):
+    """--min-new-tokens past the checkpoint's default length (blockpress-code's 64): generate PROMPT grew the default
+    to it, as the library does, but generate --input (--ar too) and chat passed the default on as max_new_tokens
+    and were refused with "min_new_tokens: expected an integer in [0, max_new_tokens=64], got 80", naming a count
+    never given. Each row now gets what generate PROMPT gives it alone; a line's own max_new_tokens still binds."""
+    from blockpress.tokenizer import train_bpe_tokenizer
+
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=300, canvas_length=8),
+                                 tokenizer=train_bpe_tokenizer([""], vocab_size=300))
+    lm.generation_config = {**lm.generation_config, "max_new_tokens": 4}
+    lm.save(tmp_path / "m")
+    src, out = write_input(tmp_path / "in.jsonl", [{"prompt": "def f():"}]), tmp_path / "out.jsonl"
+    common = ["--model", str(tmp_path / "m"), "--min-new-tokens", "10", "--seed", "2", "--threads", "1"]
+    for ar in (["--steps", "1"], ["--ar"]):
+        assert main(["generate", "def f():", *common, *ar, "--json"]) == 0
+        alone = json.loads(capsys.readouterr().out)
+        assert main(["generate", "--input", str(src), "--output", str(out), "--overwrite", *common, *ar,
+                     "--no-live"]) == 0, capsys.readouterr().err
+        row = json.loads(out.read_text())
+        assert row["new_tokens"] == alone["new_tokens"] == 10 and row["text"] == alone["text"]
+    write_input(src, [{"prompt": "def f():", "max_new_tokens": 6}])
+    assert main(["generate", "--input", str(src), "--output", str(out), "--overwrite", *common, "--ar",
+                 "--no-live"]) == 2
+    assert f"{src}:1: min_new_tokens: expected an integer in [0, max_new_tokens=6], got 10" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    assert main(["chat", *common, "--steps", "1", "--json"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["new_tokens"] == 10
+
+
 def test_input_whose_lines_end_in_cr_alone_is_said_to():
     """A file saved with classic Mac OS line endings (a CR alone) was one line to the reader, refused as 'not JSON
     (Extra data, column 17)', which said nothing of why: the endings are named, with how to save it; its lines

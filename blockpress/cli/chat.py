@@ -18,6 +18,7 @@ from blockpress.cli.common import (
     as_flags,
     command_flags,
     decoded,
+    default_budget,
     load_announced,
     print_stats,
     printable,
@@ -85,7 +86,8 @@ def check_chat_start(lm: Any, args: argparse.Namespace, ids: list[int]) -> None:
                              "shorten it")
         raise ValueError(f"--min-new-tokens: a one-word message takes {len(ids)} of the model's {context} tokens, "
                          f"leaving {max(0, context - len(ids))}, and {needs}")
-    wanted = kw["max_new_tokens"] if kw["max_new_tokens"] is not None else lm.default_new_tokens(len(ids))
+    wanted = kw["max_new_tokens"] if kw["max_new_tokens"] is not None else default_budget(lm, len(ids),
+                                                                                           kw["min_new_tokens"])
     lm.stream(ids, **{**kw, "max_new_tokens": min(wanted, room)})  # checked, never run (the loop caps it so too)
 
 
@@ -400,7 +402,8 @@ class ChatSession:
 
         args, lm, context = self.args, self.lm, self.lm.config.text.max_position_embeddings
         kw = sampling_kwargs(args, lm)
-        wanted = kw["max_new_tokens"] if kw["max_new_tokens"] is not None else lm.default_new_tokens(len(ids))
+        wanted = kw["max_new_tokens"] if kw["max_new_tokens"] is not None else default_budget(lm, len(ids),
+                                                                                               kw["min_new_tokens"])
         canvas = lm.config.canvas_length  # the reply takes whole canvases: the new tokens that fit fill them
         room = canvas_room(context, len(ids), canvas)
         if room < wanted and room < max(1, kw["min_new_tokens"]):  # not even the shortest reply fits: refuse

@@ -274,7 +274,8 @@ def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bo
                    help=f"new tokens to generate (at most: EOS{' or --stop' if stop else ''} may end sooner)"
                    if lengths else argparse.SUPPRESS)
     g.add_argument("--min-new-tokens", type=int, default=0,
-                   help="no end-of-sequence before this many tokens" if lengths else argparse.SUPPRESS)
+                   help="no end-of-sequence before this many tokens (without --max-new-tokens, a default length "
+                        "below it grows to it)" if lengths else argparse.SUPPRESS)
     # (also under the library's and generation_config.json's name, which users carry over from the Python API)
     g.add_argument("--steps", "--max-denoising-steps", dest="steps", type=int, default=None, action=TypedFlag,
                    help="max denoising steps per canvas")
@@ -372,6 +373,15 @@ def sampling_kwargs(args: argparse.Namespace, lm: Any) -> dict[str, Any]:
                                                                  sampler_given=args.sampler is not None)
     check_draw_filters(args, cfg.argmax_candidates, f"--temperature {args.temperature}", "give one above 0")
     return {**kw, "sampler": cfg}
+
+
+def default_budget(lm: Any, prompt_length: int, least: int) -> int:
+    """The new tokens of a run that gives no --max-new-tokens, counted ahead of the call (a batch's per-row budgets,
+    chat's room check): the checkpoint's default for a `prompt_length`-token prompt, grown to a --min-new-tokens
+    `least` past it, as the library grows it when given no max_new_tokens (lm._budgets), and a checkpoint's
+    max_length that leaves no room then leaves the minimum. Not the default alone: passed on as max_new_tokens, a
+    --min-new-tokens 80 was refused naming a "max_new_tokens=64" never given."""
+    return max(lm.default_new_tokens(prompt_length, room_needed=least <= 0), least)
 
 
 def check_draw_filters(args: argparse.Namespace, argmax: bool, why: str, fix: str) -> None:

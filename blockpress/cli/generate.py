@@ -19,6 +19,7 @@ from blockpress.cli.common import (
     check_draw_filters,
     check_file_path,
     decoded,
+    default_budget,
     load_text_model,
     print_stats,
     printable,
@@ -288,8 +289,10 @@ def generate_file(args: argparse.Namespace) -> int:
                                    context=lm.config.text.max_position_embeddings)[0]
             healing = wanted and not chat
             budget = row.max_new_tokens or args.max_new_tokens
-            if budget is None:  # the checkpoint's default, as the run alone counts it: after the prompt (healed)
-                budget = lm.default_new_tokens(len(heal(lm.tokenizer, ids).ids) if healing else len(ids))
+            if budget is None:  # the checkpoint's default, as the run alone counts it: after the prompt (healed),
+                # grown to a --min-new-tokens past it
+                budget = default_budget(lm, len(heal(lm.tokenizer, ids).ids) if healing else len(ids),
+                                        args.min_new_tokens)
             seed = row.seed if row.seed is not None else args.seed
             if args.ar:  # (generate_ar runs as it checks: the line's own settings are checked here)
                 context = lm.config.text.max_position_embeddings
