@@ -5299,6 +5299,14 @@ def test_resume_checks_the_dtype_a_run_computes_in_given_or_by_default(tmp_path,
     assert {json.loads(line)["settings"]["dtype"] for line in whole.splitlines()} == {"float32"}
     out.write_text(whole.splitlines(keepends=True)[0])
     assert main([*run, "--resume"]) == 0 and out.read_text() == whole
+    # a line written before lines recorded the dtype a run without --dtype computed in: taken unchecked, as lines
+    # written before lines recorded settings at all are (it was refused, and --overwrite was the only way on)
+    line = json.loads(whole.splitlines()[0])
+    del line["settings"]["dtype"]
+    out.write_text(json.dumps(line) + "\n")
+    assert main([*run, "--resume"]) == 0 and len(out.read_text().splitlines()) == 2
+    out.write_text(json.dumps(line) + "\n")  # (--dtype given: such a line was made without it, as it says)
+    assert main([*run, "--resume", "--dtype", "float32"]) == 2
 
 
 def test_resume_knows_a_model_folder_however_it_is_spelled(tmp_path, capsys, monkeypatch):

@@ -437,8 +437,9 @@ def loaded_settings(args: argparse.Namespace, output: Path | None, names: tuple[
 
     settings = run_settings(args, names, lm)
     if args.dtype is None and output is not None and output.exists() and args.resume:
+        # (a line written before lines recorded the dtype a run without --dtype computed in is taken unchecked)
         check_settings(output, settings, lambda key: typed_flag(args, "--" + key.replace("_", "-")),
-                       recorded=recorded_setting)
+                       recorded=recorded_setting, unrecorded_ok=("dtype",))
     return settings
 
 
