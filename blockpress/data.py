@@ -191,10 +191,30 @@ def parse_examples(obj: Any, tokenizer: Any, where: str, *, vocab_size: int | No
                              f"(no token of this vocabulary holds more than {most} characters, so a response of more "
                              f"than {room * most:,} is refused before it is tokenized){hint}")
         # make_batch ends it with EOS, as an ids record
-        examples = [(where, Example(prompt, tokenizer.encode(obj["response"])))]
+        examples = [(where, Example(prompt, _kept_response(tokenizer, obj["response"], context)))]
     for at, ex in examples:
         _check_example(ex, at, vocab_size, context)
     return [ex for _, ex in examples]
+
+
+def _kept_response(tokenizer: Any, text: str, context: tuple[int, int, int | None] | None) -> list[int]:
+    """The ids of a prompt/response record's response: whole, or with max_canvases (context[2]) the first
+    max_canvases canvases of them, which are all make_batch lays out. A response far longer is cut before it is
+    tokenized: a 12 MB one kept to 4 canvases took 230 s and 3 GB to tokenize whole, and the hint of the refusal
+    without --max-canvases (a 48 MB response) led there. The text kept holds at least a canvas more tokens than are
+    kept (no token holds more than longest_token characters), and where the tokenizer splits at _PIECE_BOUNDARY
+    (encode_document) it is cut at one, so the ids kept are the whole text's; another tokenizer's cut changes at most
+    its last tokens, in the canvas dropped."""
+    if context is None or not context[2]:
+        return tokenizer.encode(text)
+    keep = context[2] * context[0]
+    limit = (keep + context[0]) * tokenizer.longest_token()
+    if len(text) > limit and _splits_at_boundaries(tokenizer):
+        cut = _PIECE_BOUNDARY.search(text, limit)  # none: a stretch without a boundary, encoded whole
+        limit = cut.start() if cut else len(text)
+    if len(text) <= limit:
+        return tokenizer.encode(text)
+    return tokenizer.encode(text[:limit])[:keep]
 
 
 # the roles chat templates render ("developer": OpenAI's system role, rendered as "system" unless the template has a

@@ -541,6 +541,39 @@ def test_a_prompt_response_record_too_long_to_fit_is_refused_before_it_is_tokeni
         load_jsonl(path, tok, context=(8, n + 7, None))
 
 
+def test_max_canvases_tokenizes_a_long_response_as_far_as_it_keeps(tmp_path, tok, monkeypatch):
+    """With max_canvases a response was tokenized whole and kept whole, though make_batch lays out its first canvases
+    alone: a 12 MB response kept to 4 canvases took 230 s and 3 GB, and the hint of the refusal without
+    --max-canvases led there. Its text is now cut to a prefix that holds a canvas more tokens than are kept (at a
+    point the tokenizer splits at), and the ids kept are the whole text's first max_canvases canvases."""
+    most = tok.longest_token()
+    encoded = []
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, *a, **k: (encoded.append(len(text)), encode(text, *a, **k))[1])
+    long = "x = 1\n" * 20_000 + "def f(x):\n    return x + 1\n" * 5_000
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "def f", "response": long}) + "\n")
+    [ex] = load_jsonl(path, tok, context=(16, 64, 2))
+    assert max(encoded) < (2 * 16 + 16) * most + 100  # the prompt and a prefix of the response, never all of it
+    assert ex.response == encode(long)[: 2 * 16]
+    # a response that is not that long is kept whole, as without max_canvases
+    encoded.clear()
+    [short] = parse_examples({"prompt": "def f", "response": "x = 1\n" * 3}, tok, "d.jsonl:1", context=(16, 64, 2))
+    assert short.response == encode("x = 1\n" * 3)
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(st.text(alphabet="def x():+1\n ", min_size=1, max_size=400), st.integers(1, 3), st.integers(1, 4))
+def test_a_response_cut_for_max_canvases_keeps_the_whole_texts_ids(tok, response, canvases, canvas):
+    """The ids kept of a response cut before it is tokenized (max_canvases) are those its whole text's tokens begin
+    with, for any text and cut: the prefix ends at a point where the tokenizer splits (_PIECE_BOUNDARY)."""
+    [ex] = parse_examples({"prompt": "def", "response": response}, tok, "d.jsonl:1",
+                          context=(canvas, 10_000, canvases))
+    whole = tok.encode(response)
+    assert ex.response == whole[: max(len(ex.response), canvases * canvas)]
+    assert len(ex.response) >= min(len(whole), canvases * canvas)
+
+
 def test_raw_texts_tokenizing_is_reported_and_shown_on_a_terminal_alone(tmp_path, tok, monkeypatch):
     """`train --data` on a folder of raw text tokenized it in silence (the standard library's 162 MB: minutes).
     load_text reports the characters done after each document, and train's bar is drawn on a terminal's stderr
