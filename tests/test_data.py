@@ -615,6 +615,52 @@ def test_raw_texts_tokenizing_is_reported_and_shown_on_a_terminal_alone(tmp_path
         os.close(main_fd)
 
 
+def test_jsonl_examples_reading_is_reported_and_shown_on_a_terminal_alone(tmp_path, tok, monkeypatch):
+    """`train --data` on JSONL examples tokenized them in silence, on a terminal too (800k prompt/response records:
+    150 s, 10k chats: 70 s, an error on the last line said only then). load_jsonl reports the bytes read after each
+    record, and train's bar is drawn on a terminal's stderr (a pty here) alone: nothing on a pipe or with --quiet."""
+    import fcntl
+    import io
+    import os
+    import pty
+    import struct
+    import termios
+    from types import SimpleNamespace
+
+    from blockpress.cli.train import _examples
+
+    lines = [json.dumps({"prompt": "def f", "response": " return x"}) + "\n", "\n",
+             json.dumps({"prompt": "def g", "response": " return y + 1"}) + "\n",
+             json.dumps({"prompt_ids": [2, 7], "response_ids": [9, 10]}) + "\n"]
+    folder = tmp_path / "sft"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("".join(lines[:2]))
+    (folder / "b.jsonl").write_text("".join(lines[2:]))
+    calls = []
+    plain = load_jsonl(folder, tok, 300)
+    assert load_jsonl(folder, tok, 300, progress=lambda done, total: calls.append((done, total))) == plain
+    sizes = [len(line.encode()) for line in lines]
+    assert calls == [(sizes[0], sum(sizes)), (sum(sizes[:3]), sum(sizes)), (sum(sizes), sum(sizes))]
+    lm = SimpleNamespace(tokenizer=tok, config=SimpleNamespace(canvas_length=4, text=SimpleNamespace(
+        vocab_size=300, max_position_embeddings=512)))
+    main_fd, terminal_fd = pty.openpty()
+    fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # (a new pty has 0 columns)
+    terminal = open(terminal_fd, "w", buffering=1, closefd=True)
+    try:
+        for stream, quiet, drawn in ((terminal, False, True), (terminal, True, False), (io.StringIO(), False, False)):
+            monkeypatch.setattr(sys, "stderr", stream)
+            assert _examples(str(folder), "--data", lm, TrainConfig(), quiet) == plain
+            stream.flush()
+            shown = read_terminal(main_fd, 2 if drawn else 0.2)
+            if stream is terminal:
+                assert ("--data reading" in shown) == drawn, (quiet, shown)
+            else:
+                assert stream.getvalue() == ""
+    finally:
+        terminal.close()
+        os.close(main_fd)
+
+
 def test_raw_text_is_laid_out_as_a_token_shard(tmp_path, tok):
     """.txt/.py/.md files, a folder of them and {"text": ...} JSONL lines could not be trained on at all."""
     docs = ["def f(x):\n    return x + 1\n", "# notes\nsome text\n", "plain words\n"]
