@@ -13,6 +13,8 @@ import hashlib
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -459,7 +461,7 @@ def left_out(path: str | Path, own_run: str | Path | None = None) -> str | None:
     cards = _folder_files(Path(path))[".md"] if jsonl and Path(path).is_dir() else []
     hidden = hidden_data_files(path)
     folder = Path(path)
-    runs = sorted(_run_folders(folder, sorted(folder.rglob("*")))) if folder.is_dir() and not is_glob(path) else []
+    runs = sorted(_folder_walk(folder)[1]) if folder.is_dir() and not is_glob(path) else []
     runs = [run for run in runs if own_run is None or run.resolve() != Path(own_run).resolve()]
     notes = [f"leaves out {_some(cards, path)} (a .md file beside .jsonl files is taken for a dataset card, not "
              "data)"] if cards else []
@@ -531,14 +533,45 @@ def _folder_files(folder: Path, hidden: bool = False) -> dict[str, list[Path]]:
     log of a run that stopped before its first save) is left out too, its files being the run's, not data: `train
     --data . --out run` read run/metrics.jsonl as data when it was resumed (or run again after a divergence at step
     2), and every later run on the same folder failed on it."""
-    found: dict[str, list[Path]] = {suffix: [] for suffix in (".jsonl", *TEXT_SUFFIXES)}
+    return {suffix: list(files) for suffix, files in _folder_walk(folder)[0][hidden].items()}
+
+
+# A walk of a data folder: its files of each data suffix, not hidden (False) and hidden (True), and the training
+# runs' folders below it (_folder_files)
+FolderWalk = tuple[dict[bool, dict[str, list[Path]]], set[Path]]
+# The walks made inside folders_listed_once(), by folder; None outside it, where each look walks the folder afresh
+_WALKS: ContextVar[dict[Path, FolderWalk] | None] = ContextVar("_WALKS", default=None)
+
+
+@contextmanager
+def folders_listed_once() -> Iterator[None]:
+    """Within it each data folder is walked once, however many of jsonl_files, is_examples, left_out, load_text, ...
+    look at it: `train` walked a --data folder 9 times before its first step, outside any bar (200k small files: 6
+    minutes without a sign, the tokenizing a few seconds of it). For the span of a command's reading of its data,
+    over which the folder is taken not to change."""
+    token = _WALKS.set({})
+    try:
+        yield
+    finally:
+        _WALKS.reset(token)
+
+
+def _folder_walk(folder: Path) -> FolderWalk:
+    """`folder` walked (_folder_files' lists, hidden and not, and its runs' folders), or the walk made of it already
+    inside folders_listed_once()."""
+    walks = _WALKS.get()
+    if walks is not None and folder in walks:
+        return walks[folder]
+    found: dict[bool, dict[str, list[Path]]] = {hidden: {suffix: [] for suffix in (".jsonl", *TEXT_SUFFIXES)} for hidden in (False, True)}
     paths = sorted(folder.rglob("*"))
     runs = _run_folders(folder, paths)
     for file in paths:
-        if file.is_file() and file.suffix.lower() in found and not runs.intersection(file.parents) and \
-                hidden == any(part.startswith(".") for part in file.relative_to(folder).parts):
-            found[file.suffix.lower()].append(file)
-    return found
+        suffix = file.suffix.lower()
+        if suffix in found[False] and not runs.intersection(file.parents) and file.is_file():
+            found[any(part.startswith(".") for part in file.relative_to(folder).parts)][suffix].append(file)
+    if walks is not None:
+        walks[folder] = (found, runs)
+    return found, runs
 
 
 def named_files(path: str | Path) -> set[Path]:

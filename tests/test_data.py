@@ -661,6 +661,25 @@ def test_jsonl_examples_reading_is_reported_and_shown_on_a_terminal_alone(tmp_pa
         os.close(main_fd)
 
 
+def test_a_folder_is_walked_once_inside_folders_listed_once_and_afresh_outside(tmp_path, monkeypatch):
+    """folders_listed_once() keeps a folder's walk for the span of a command's reading (train walked its --data folder
+    9 times); outside it each look walks the folder afresh, so a library caller sees files it added since."""
+    from blockpress.data import folders_listed_once, hidden_data_files
+
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(json.dumps({"prompt_ids": [2], "response_ids": [3]}) + "\n")
+    walks = []
+    rglob = Path.rglob
+    monkeypatch.setattr(Path, "rglob", lambda self, *a, **k: (walks.append(self), rglob(self, *a, **k))[1])
+    with folders_listed_once():
+        assert jsonl_files(folder) == [folder / "a.jsonl"] and left_out(folder) is None
+        assert len(load_jsonl(folder)) == 1 and not is_raw_text(folder) and hidden_data_files(folder) == []
+    assert walks == [folder]
+    (folder / "b.jsonl").write_text("")
+    assert jsonl_files(folder) == [folder / "a.jsonl", folder / "b.jsonl"]
+
+
 def test_raw_text_is_laid_out_as_a_token_shard(tmp_path, tok):
     """.txt/.py/.md files, a folder of them and {"text": ...} JSONL lines could not be trained on at all."""
     docs = ["def f(x):\n    return x + 1\n", "# notes\nsome text\n", "plain words\n"]

@@ -95,10 +95,13 @@ def _run(args: argparse.Namespace, out: Path) -> int:
         lm, cfg = _load_checkpoint(args, settings, lora_shape)
     else:
         lm, cfg = _fresh_model(args, settings.cfg), settings.cfg
-    _check_data_files(args.data, cfg.heldout_data, out)
-    # a run saved before --chat-turns existed (0c217e2) trained on each chat's last assistant turn
-    old_reading = bool(args.resume and settings.saved) and "chat_turns" not in settings.saved
-    sources = _sources(args, lm, cfg, old_reading=old_reading, kept="chat_turns" not in settings.raw)
+    from blockpress.data import folders_listed_once
+
+    with folders_listed_once():  # a folder's checks and reading walk it once, not once each (9 times)
+        _check_data_files(args.data, cfg.heldout_data, out)
+        # a run saved before --chat-turns existed (0c217e2) trained on each chat's last assistant turn
+        old_reading = bool(args.resume and settings.saved) and "chat_turns" not in settings.saved
+        sources = _sources(args, lm, cfg, old_reading=old_reading, kept="chat_turns" not in settings.raw)
     run = _start_run(args, lm, sources, stale_metrics)
     _say_what_runs(args, run, sources)
     try:
