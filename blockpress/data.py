@@ -814,7 +814,8 @@ DOCUMENT_CHUNK = 1 << 18  # characters encoded at once, at most (but for a stret
 def _splits_at_boundaries(tokenizer: Any) -> bool:
     """Whether encode_document may encode `tokenizer`'s text in pieces (_PIECE_BOUNDARY): a byte-level BPE that
     splits by GPT-2's pattern, adds no prefix space (each piece would get one), normalizes nothing, and has no added
-    token holding whitespace (which could span a boundary). Other tokenizers encode a document whole."""
+    token holding whitespace or taking the whitespace beside it (lstrip / rstrip / single_word, as RoBERTa's <mask>:
+    either could span a boundary). Other tokenizers encode a document whole."""
     backend = getattr(tokenizer, "backend", None)
     if backend is None:  # a stand-in tokenizer (tests)
         return False
@@ -823,8 +824,9 @@ def _splits_at_boundaries(tokenizer: Any) -> bool:
 
         pre = backend.pre_tokenizer
         return (isinstance(pre, tokenizers.pre_tokenizers.ByteLevel) and pre.use_regex and not pre.add_prefix_space
-                and backend.normalizer is None and not any(any(c.isspace() for c in t.content)
-                                                           for t in backend.get_added_tokens_decoder().values()))
+                and backend.normalizer is None
+                and not any(any(c.isspace() for c in t.content) or t.lstrip or t.rstrip or t.single_word
+                            for t in backend.get_added_tokens_decoder().values()))
     except (AttributeError, ImportError):  # a stand-in tokenizer (tests), or none of tokenizers'
         return False
 

@@ -960,6 +960,23 @@ def test_a_document_encoded_in_pieces_gives_the_ids_of_the_whole(tok, text, chun
     assert encode_document(tok, text, chunk) == tok.encode(text)
 
 
+@pytest.mark.parametrize("token", [dict(lstrip=True), dict(rstrip=True), dict(single_word=True)])
+def test_an_added_token_that_takes_the_whitespace_beside_it_keeps_a_document_whole(token):
+    """An added token that absorbs the space beside it (lstrip / rstrip, as RoBERTa's <mask>) can span a cut before
+    " word": in pieces, "foo <sep> bar" gave 'Ġbar' where the whole text gives 'bar'. Such a tokenizer's documents
+    are encoded whole, to the whole text's ids."""
+    from tokenizers import AddedToken
+
+    from blockpress.data import _splits_at_boundaries, encode_document
+
+    tok = train_bpe_tokenizer(["def f(x):\n    return x + 1\n"] * 20, vocab_size=300)
+    assert _splits_at_boundaries(tok)
+    tok.backend.add_special_tokens([AddedToken("<sep>", **token)])
+    assert not _splits_at_boundaries(tok)
+    for text in ("x = 1\n<sep> + 2", "foo <sep> bar", "print(a)\n" * 3 + "<sep>\n"):
+        assert encode_document(tok, text, chunk=2) == tok.encode(text)
+
+
 def test_a_large_raw_text_file_is_encoded_a_piece_at_a_time(tmp_path, tok, monkeypatch):
     """tokenizers holds some 500 bytes a token of the string it encodes: an 18 MB .txt file, encoded whole, peaked at
     3.1 GB (now 0.44 GB). It is encoded in pieces cut where the pre-tokenizer always splits, to the same ids, and
