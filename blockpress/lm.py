@@ -375,8 +375,8 @@ def _check_keywords(call: str, options: tuple[str, ...], given: dict[str, Any], 
 
 
 def _check_forwarded(call: str, own: tuple[str, ...], given: dict[str, Any]) -> None:
-    """_check_keywords for a method that passes its keywords on to generate (chat, chat_ids, infill), so that a
-    refusal names the method called, not generate. transformers' keywords are left to generate, which maps them;
+    """_check_keywords for a method that passes its keywords on to generate or stream (chat, chat_ids, chat_stream,
+    infill), so that a refusal names the method called. transformers' keywords are left to generate, which maps them;
     `own`: the method's own parameters, which take the place of generate's prompt."""
     _check_keywords(call, tuple(dict.fromkeys((*own, *STREAM_OPTIONS))),
                     {k: v for k, v in given.items() if k not in TRANSFORMERS_KEYWORDS},
@@ -872,9 +872,10 @@ class LM:
         self.model = model.eval()
         self.tokenizer = check_tokenizer(tokenizer)
         self.generation_config = dict(generation_config or {})
-        # keys blockpress does not read that have been said to be ignored (the ones `load` warned about); one set in
-        # lm.generation_config later is said when generate reads the dict (`sampler_defaults`)
-        self._unread_said = {key for key in self.generation_config if key not in KNOWN_GENERATION_KEYS}
+        # keys blockpress does not read that have been said to be ignored (`load` sets the ones it warned about); any
+        # other in lm.generation_config, given here or set later, is said when generate reads the dict
+        # (`sampler_defaults`)
+        self._unread_said: set[str] = set()
         self._max_length_from = "generation config"  # whose max_length errors name: a call's max_length= is its own
         self.passthrough = passthrough or Passthrough()
         # the base's folder, absolute: a save after a chdir recorded another folder of that name as quantized_from
@@ -1000,6 +1001,7 @@ class LM:
         twin = copy.copy(self)
         twin.model = quantized_copy(self.model, check_scheme(scheme))
         twin.generation_config = dict(self.generation_config)  # its own: a setting changed on one is that one's
+        twin._unread_said = set(self.__dict__.get("_unread_said", ()))
         twin.step_functions, twin._reapply_steps = None, None  # this LM's steps run this LM's modules
         # said of the same values as this LM's (read before the model changed: what they record is per model)
         twin.stored_values, twin.widened_from = self.stored_values, self.widened_from
@@ -2030,6 +2032,7 @@ class LM:
         `settled_texts` the reply so far (print their growth), and Done's output what chat_ids returns, its cache
         included. A stream that is cancelled, fails, or is left before its Done (a Ctrl-C, a `break`) leaves the
         cache holding the conversation before the turn, as chat_ids does. `kwargs`: stream's."""
+        _check_forwarded("chat_stream", ("ids",), kwargs)
         return _kept_open(self._chat_events(ids, cache, kwargs))
 
     def _chat_events(self, ids: list[int] | list[list[int]], cache: KVCache | None, kwargs: dict[str, Any]) -> Events:
@@ -2572,6 +2575,7 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
     widened_from = plan.widened_from if adapter is None else None
     lm = LM(model, tokenizer, generation, passthrough=passthrough, path=path, adapter=adapter,
             widened_from=widened_from)
+    lm._unread_said = {key for key in generation if key not in KNOWN_GENERATION_KEYS}  # (read_generation_config's)
     # (codes made in the load, or stored, are the stored weights': only a plain load's rounding counts)
     rounded = quantize is None and not plan.quantized and plan.stored is not None and \
         not keeps_values(plan.stored, plan.dtype)
