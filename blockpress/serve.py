@@ -830,14 +830,15 @@ def header_deadline_protocol(seconds: float = HEADER_TIMEOUT) -> type:
     return HeaderDeadline
 
 
-def check_api_key(key: str | None) -> str | None:
+def check_api_key(key: str | None, name: str = "api_key") -> str | None:
     """`create_app`'s api_key: None (no key), or one an HTTP header can carry as sent. The key itself is never
-    shown: errors say what is wrong with it."""
+    shown: errors say what is wrong with it, under `name`, where the key came from (serve's BLOCKPRESS_API_KEY: an
+    operator who set only the variable would look for an --api-key they never gave)."""
     if key is None:
         return None
     if not isinstance(key, str) or not key or not key.isascii() or not key.isprintable() or key != key.strip():
         what = f"a {type(key).__name__}" if not isinstance(key, str) else f"a key of {len(key)} characters"
-        raise ValueError(f"api_key: expected a non-empty key of printable ASCII characters without leading or trailing "
+        raise ValueError(f"{name}: expected a non-empty key of printable ASCII characters without leading or trailing "
                          f"spaces (clients send it in an HTTP header), got {what}")
     return key
 

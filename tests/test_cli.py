@@ -1763,6 +1763,21 @@ def test_serve_requires_the_api_key_from_the_flag_or_the_environment(monkeypatch
     assert "--api-key: expected a non-empty key of printable ASCII" in err and "s3cret" not in err
 
 
+def test_serve_names_the_variable_a_bad_api_key_came_from(monkeypatch, capsys):
+    """A BLOCKPRESS_API_KEY with a secret file's trailing newline was refused as a bad --api-key, a flag the operator
+    never gave."""
+    import blockpress.cli.serve
+
+    monkeypatch.setattr(blockpress.cli.serve, "load_announced", lambda *a, **k: pytest.fail("loaded before the check"))
+    monkeypatch.setenv("BLOCKPRESS_API_KEY", "s3cret\n")
+    assert main(["serve", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "error: BLOCKPRESS_API_KEY: expected a non-empty key of printable ASCII" in err, err
+    assert "--api-key" not in err and "s3cret" not in err
+    assert main(["serve", "--port", "0", "--api-key", " k"]) == 2  # the flag, given, is still the one named
+    assert "error: --api-key: expected" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag", ["--max-batch", "--max-queue", "--max-stops"])
 def test_serve_rejects_an_empty_batch_or_queue(flag):
     """A batch of 0 never took a request (every one hung, the engine spinning); a queue of 0 meant no limit."""

@@ -70,8 +70,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"{flag}: not valid UTF-8 ({problem}), which clients cannot send as a model id; "
                          "give the id they send with --served-name")
     check_hosts(args.allowed_hosts or ())
-    # the flag, else the variable (an empty one is unset, as vLLM reads VLLM_API_KEY); never printed
-    api_key = check_api_key(args.api_key if args.api_key is not None else os.environ.get("BLOCKPRESS_API_KEY") or None)
+    # the flag, else the variable (an empty one is unset, as vLLM reads VLLM_API_KEY); never printed. A bad one is
+    # named as where it came from: the variable's trailing newline (a secret file's) is no --api-key's fault
+    if args.api_key is not None:
+        api_key = check_api_key(args.api_key)
+    else:
+        api_key = check_api_key(os.environ.get("BLOCKPRESS_API_KEY") or None, "BLOCKPRESS_API_KEY")
     sock = bind_socket(args.host, args.port)  # first: a port in use fails before the model loads
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
