@@ -1778,6 +1778,30 @@ def test_serve_names_the_variable_a_bad_api_key_came_from(monkeypatch, capsys):
     assert "error: --api-key: expected" in capsys.readouterr().err
 
 
+def test_serve_stops_on_sigterm_while_its_model_loads(monkeypatch, capsys):
+    """serve loads its model (and warms up under --compile) before uvicorn takes the stop signals: a SIGTERM there
+    killed it by the default action, without a word, where a Ctrl-C said "interrupted" and every other command says
+    "stopped by SIGTERM"."""
+    import signal
+
+    import blockpress.cli.serve
+
+    reached = []  # the handler found (pytest's SIG_DFL would end the test run): called, the signal was not taken
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: reached.append(signum))
+    try:
+        def load(*args, **kwargs):
+            signal.raise_signal(signal.SIGTERM)
+            pytest.fail("loading went on after the SIGTERM")
+
+        monkeypatch.setattr(blockpress.cli.serve, "load_announced", load)
+        monkeypatch.setattr(blockpress.cli.serve, "_server_class", lambda: pytest.fail("served after the SIGTERM"))
+        assert main(["serve", "--model", "random-tiny", "--port", "0"]) == 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert reached == []
+    assert capsys.readouterr().err.endswith("blockpress serve: stopped by SIGTERM\n")
+
+
 @pytest.mark.parametrize("flag", ["--max-batch", "--max-queue", "--max-stops"])
 def test_serve_rejects_an_empty_batch_or_queue(flag):
     """A batch of 0 never took a request (every one hung, the engine spinning); a queue of 0 meant no limit."""

@@ -16,7 +16,7 @@ from typing import Any
 from blockpress.checks import utf8_problem
 from blockpress.cli.common import load_announced
 from blockpress.cli.output import print_warning
-from blockpress.stopping import fresh_line, stop_status, stop_word
+from blockpress.stopping import fresh_line, stop_signals_interrupt, stop_status, stop_word
 
 
 def served_name(model: str) -> str:
@@ -79,9 +79,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)  # first: a port in use fails before the model loads
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
-    # A big checkpoint loads for tens of seconds before the server answers: say what the wait is.
-    lm = load_announced(args, keep=f"blockpress: loading {args.model} ... (http://{url_host}:{port}/v1 answers "
-                                   "once it is loaded)")
+    # A big checkpoint loads for tens of seconds before the server answers: say what the wait is. Until uvicorn
+    # takes the stop signals (run), a SIGTERM or SIGHUP stops it as a Ctrl-C does, said (run_command), not by the
+    # signal's default action without a word; the warm-up below (minutes under --compile) likewise.
+    with stop_signals_interrupt():
+        lm = load_announced(args, keep=f"blockpress: loading {args.model} ... (http://{url_host}:{port}/v1 answers "
+                                       "once it is loaded)")
     app = create_app(lm, name, max_queue=args.max_queue, max_batch=args.max_batch, max_context=args.max_context,
                      prefix_cache_bytes=int(args.prefix_cache_gb * 2**30), allowed_origins=args.allowed_origins or (),
                      allowed_hosts=args.allowed_hosts or (), api_key=api_key, max_body_bytes=args.max_body_bytes,
@@ -95,7 +98,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"blockpress: {flag}: {doing} with a few short generations before serving ...", file=sys.stderr,
               flush=True)
         started = time.perf_counter()
-        warm_up(app)  # a compiler that cannot build stops the start here, in one line (run_command)
+        with stop_signals_interrupt():
+            warm_up(app)  # a compiler that cannot build stops the start here, in one line (run_command)
         print(f"blockpress: warmed up in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     # that a key is required, never the key: the line lands in logs and terminals others read
     access = "; requests to /v1 need the API key" if api_key is not None else ""
