@@ -2962,6 +2962,33 @@ def test_a_second_stop_signal_cuts_requests_in_flight_now(signum):
     assert srv.force_exit is False  # the app's shutdown ran (it joined the engine thread)
 
 
+def test_a_stop_signal_whose_line_cannot_be_written_still_stops(monkeypatch):
+    """With stderr a pipe whose reader had gone (`serve 2>&1 | tee log` after tee ended), the "stopping" line raised
+    BrokenPipeError in the signal handler before uvicorn took the signal: the signal was lost (the server served
+    on), or the error, raised into the event loop, ended the server at once with no grace period (141)."""
+    import signal
+
+    import blockpress.cli.serve
+    from blockpress.cli.serve import _server_class
+
+    class Gone:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def isatty(self):
+            return False
+
+    silenced = []
+    monkeypatch.setattr(blockpress.cli.serve, "silence_output", lambda: silenced.append(True), raising=False)
+    monkeypatch.setattr("sys.stderr", Gone())
+    srv = _server_class()(uvicorn.Config(lambda scope, receive, send: None))
+    srv.handle_exit(signal.SIGTERM, None)
+    assert srv.should_exit and silenced  # taken, and stderr pointed at the null device (its last flush)
+
+
 def test_a_stop_signal_ignored_when_the_server_starts_stays_ignored():
     """A server started with SIGINT ignored (a script's `blockpress serve &`) took it over anyway (uvicorn installs
     its handler over SIG_IGN), stopped on a SIGINT, and exited 0: uvicorn's raise once shut down, under the SIG_IGN

@@ -15,7 +15,7 @@ from typing import Any
 
 from blockpress.checks import utf8_problem
 from blockpress.cli.common import load_announced
-from blockpress.cli.output import print_warning
+from blockpress.cli.output import print_warning, silence_output
 from blockpress.stopping import fresh_line, stop_signals_interrupt, stop_status, stop_word
 
 
@@ -112,9 +112,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])
     except KeyboardInterrupt as exc:  # uvicorn raises the Ctrl-C again once shut down: the last line, said as the
         # stop's, on the line after "stopping" (run_command's would go off a "^C" long gone: a blank line between)
-        print(f"blockpress serve: {stop_word(exc)}", file=sys.stderr)
+        say(f"blockpress serve: {stop_word(exc)}")
         return stop_status(exc)
     return 0
+
+
+def say(line: str) -> None:
+    """A line on stderr about a stop, which a stderr that cannot take it must not fail: a pipe whose reader has gone
+    (`blockpress serve 2>&1 | tee serve.log` after tee ended) raises BrokenPipeError, which, raised in a signal
+    handler, lost the signal or ended the server at once. stderr then points at the null device, as after any
+    broken pipe (output_failed): the interpreter's last flush would meet it again (exit status 120)."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        silence_output()
 
 
 def _server_class() -> type:
@@ -135,13 +146,18 @@ def _server_class() -> type:
         loop: asyncio.AbstractEventLoop | None = None
 
         def handle_exit(self, sig: int, frame: Any) -> None:
+            # Each signal is taken before its line is said: a line that cannot be written (stderr a pipe whose
+            # reader has gone, a log shipper that crashed) raised its BrokenPipeError in this handler, so uvicorn
+            # never took the signal (the server served on) or the error ended the server where it stood (141, the
+            # requests in flight a bare 500).
             self.signals += 1
             if self.signals == 1:
+                super().handle_exit(sig, frame)
                 grace = self.config.timeout_graceful_shutdown  # None (uvicorn's default): no limit
-                print(f"{fresh_line(sig)}blockpress: stopping; requests in flight get "
-                      + ("all the time they take" if grace is None else f"up to {grace:g} s")
-                      + " to finish (signal again to stop now)", file=sys.stderr)
-                return super().handle_exit(sig, frame)
+                say(f"{fresh_line(sig)}blockpress: stopping; requests in flight get "
+                    + ("all the time they take" if grace is None else f"up to {grace:g} s")
+                    + " to finish (signal again to stop now)")
+                return None
             engine = self._engine()
             if self.signals == 2 and engine is not None and self.loop is not None:
                 # Stop now: end the grace period by cutting what is in flight (each request a 503), so the shutdown
@@ -150,8 +166,8 @@ def _server_class() -> type:
                 # skipped shutdown would leave the requests a bare 500 and the engine thread inside torch (an abort).
                 # Scheduled on the loop: this handler may interrupt the loop's thread while it holds the
                 # engine's lock.
-                print(f"{fresh_line(sig)}blockpress: stopping now; requests in flight are cut", file=sys.stderr)
                 self.loop.call_soon_threadsafe(engine.cut)
+                say(f"{fresh_line(sig)}blockpress: stopping now; requests in flight are cut")
                 return None
             self.force_exit = True  # a third signal: uvicorn's forced exit, whatever is left
 
