@@ -760,6 +760,39 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
+class AnswerStopped:
+    """ASGI middleware: a request cancelled because the server is shutting down (uvicorn at the grace period's end;
+    serve's second stop signal) before its handler had the engine answer it (its body still arriving, its prompt
+    being tokenized or rendered in a worker thread) gets the 503 that the engine's own jobs get then, in OpenAI's
+    shape, not uvicorn's plain-text 500 and an "Exception in ASGI application" traceback. A response already under
+    way (a stream whose client reads slowly) ends there, its connection closed. A cancel while the engine still
+    serves is not a shutdown's, and goes on."""
+
+    def __init__(self, app: Any, engine: Engine) -> None:
+        self.app, self.engine = app, engine
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def sending(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except asyncio.CancelledError:
+            stopped = self.engine.stopped()
+            if stopped is None:
+                raise
+            if not started:
+                response = JSONResponse(error_body(stopped, "server_error", None), status_code=503,
+                                        headers={"Connection": "close"})
+                await response(scope, receive, send)
+
+
 def body_limit(context: int, token_chars: int) -> int:
     """The default most bytes of a request body: a text as long as the context's longest (`context` tokens of
     `token_chars` characters, the bound ServerState.check_length puts on one text) JSON-escaped at its widest, 12
@@ -1252,13 +1285,19 @@ class Engine:
         for job in jobs:
             report(job, JobError(message, 503))
 
+    def stop(self) -> None:
+        """Refuse every new request (a 503: `stopped`) and cut what is queued or running; the engine thread ends
+        within a step. A stop signal's grace period has run out: a request submitted after a bare cut (one whose
+        prompt was still being tokenized) was queued and run for nobody."""
+        with self.lock:
+            self.stopping = True
+        self.cut()
+
     def close(self, timeout: float = 10.0) -> None:
         """Cut what is still queued or running and stop the engine thread (the app's shutdown calls this).
         Waiting for a batch nobody would receive would hold the exit, and an interpreter that finalises while the
         engine thread is inside torch aborts."""
-        with self.lock:
-            self.stopping = True
-        self.cut()
+        self.stop()
         if self.thread.ident is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout)
 
@@ -2286,9 +2325,10 @@ async def request_validation_error(request: Request, exc: RequestValidationError
 
 
 def add_middleware_stack(app: FastAPI, body_bytes: int, api_key: str | None, origins: list[str],
-                         hosts: list[str]) -> None:
+                         hosts: list[str], engine: Engine) -> None:
     """The app's middleware: the limit on a request's body, the key check (none where `api_key` is None), the
-    CORS of `origins` with the refusal of other pages' requests (RequireOrigin), and the Host check of `hosts`."""
+    CORS of `origins` with the refusal of other pages' requests (RequireOrigin), the Host check of `hosts`, and
+    the 503 of a request the shutdown cancels (AnswerStopped, around them all)."""
     # innermost: the key is checked (RequireKey) before a body is read, and CORS lets a page read the 413
     app.add_middleware(BodyLimit, limit=body_bytes)
     if api_key is not None:  # added first, so that CORS (added after it) wraps it: see RequireKey
@@ -2299,7 +2339,8 @@ def add_middleware_stack(app: FastAPI, body_bytes: int, api_key: str | None, ori
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "HEAD", "POST"],
                            allow_headers=["*"],  # (the openai JS client sends its x-stainless-* headers)
                            expose_headers=["Retry-After"])  # a 429's back-off, for the page to read
-    app.add_middleware(RequireHost, hosts=hosts)  # outermost: a rebound name is refused before anything else
+    app.add_middleware(RequireHost, hosts=hosts)  # a rebound name is refused before anything else
+    app.add_middleware(AnswerStopped, engine=engine)  # outermost: a request cancelled anywhere in the stack
 
 
 def template_messages(state: ServerState, body: ChatRequest) -> list[dict]:
@@ -2502,7 +2543,7 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
         return state
 
     add_middleware_stack(app, limits.max_body_bytes or body_limit(state.context, token_chars), api_key, origins,
-                         hosts)
+                         hosts, engine)
     # errors in OpenAI's shape: the API's own, an unknown route or method, a body that does not parse
     app.exception_handler(APIError)(api_error)
     app.exception_handler(StarletteHTTPException)(http_error)

@@ -2962,6 +2962,71 @@ def test_a_second_stop_signal_cuts_requests_in_flight_now(signum):
     assert srv.force_exit is False  # the app's shutdown ran (it joined the engine thread)
 
 
+def test_a_second_stop_signal_ends_the_requests_not_in_the_engine_too():
+    """A second stop signal cut only the engine's jobs: uvicorn's shutdown still waited out the whole grace period
+    for a connection whose body was still arriving, then cancelled it with an "Exception in ASGI application"
+    traceback. Now the requests still running a moment after the cut are cancelled too, and one not yet in the
+    engine gets the same 503 in OpenAI's shape."""
+    import signal
+
+    srv, thread, base = _threaded_server(grace=60)  # far longer than the test waits
+    engine = srv.config.app.state.engine
+    port = int(base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as trickling:
+        trickling.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{")  # a body still arriving: no engine job
+        time.sleep(0.3)
+        start = time.perf_counter()
+        for _ in range(2):  # as the signal handler calls it, twice
+            srv.handle_exit(signal.SIGTERM, None)
+        thread.join(10)
+        assert not thread.is_alive(), "the server waited out its grace period for the body still arriving"
+        answer = b""
+        while chunk := trickling.recv(65536):
+            answer += chunk
+    assert time.perf_counter() - start < 5 and not engine.thread.is_alive()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 "), answer
+    assert json.loads(body)["error"] == {"message": "the server is shutting down", "type": "server_error",
+                                         "param": None, "code": None}
+
+
+def test_a_request_not_yet_in_the_engine_at_the_grace_periods_end_gets_the_503(monkeypatch):
+    """At the grace period's end only the engine's jobs were cut: a request whose prompts were still being tokenized
+    (a worker thread) was then cancelled by uvicorn, which answered a plain-text 500 and logged a traceback; and one
+    submitted between the cut and the cancel was queued and run for nobody. It gets the shutdown's 503, and the
+    engine, stopping, queues nothing more."""
+    import blockpress.serve as serve
+
+    tokenizing, done = threading.Event(), threading.Event()
+    batch = serve.completion_batch
+
+    def slow(*args, **kwargs):  # a request of many long prompts, still in its worker thread at the grace's end
+        tokenizing.set()
+        time.sleep(1.0)
+        try:
+            return batch(*args, **kwargs)
+        finally:
+            done.set()
+
+    monkeypatch.setattr(serve, "completion_batch", slow)
+    srv, thread, base = _threaded_server(grace=0.2)
+    engine = srv.config.app.state.engine
+    submitted = []
+    monkeypatch.setattr(engine, "submit", lambda jobs, submit=engine.submit: (submitted.append(jobs), submit(jobs)))
+    with cf.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, base + "/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=15)
+        assert tokenizing.wait(15)
+        srv.should_exit = True
+        r = answer.result()
+    assert r.status_code == 503, r.text
+    assert r.json()["error"] == {"message": "the server is shutting down", "type": "server_error", "param": None,
+                                 "code": None}
+    thread.join(15)
+    assert not thread.is_alive() and done.wait(15)
+    assert engine.stopped() == "the server is shutting down" and not engine.waiting
+
+
 def test_a_stop_signal_whose_line_cannot_be_written_still_stops(monkeypatch):
     """With stderr a pipe whose reader had gone (`serve 2>&1 | tee log` after tee ended), the "stopping" line raised
     BrokenPipeError in the signal handler before uvicorn took the signal: the signal was lost (the server served

@@ -157,19 +157,33 @@ def _server_class() -> type:
                 say(f"{fresh_line(sig)}blockpress: stopping; requests in flight get "
                     + ("all the time they take" if grace is None else f"up to {grace:g} s")
                     + " to finish (signal again to stop now)")
-                return None
-            engine = self._engine()
-            if self.signals == 2 and engine is not None and self.loop is not None:
-                # Stop now: end the grace period by cutting what is in flight (each request a 503), so the shutdown
-                # finishes as at the grace period's end and the engine thread is joined. uvicorn's own second
-                # signal forces the exit: only SIGINT's (a second SIGTERM waits out the grace period), and its
-                # skipped shutdown would leave the requests a bare 500 and the engine thread inside torch (an abort).
-                # Scheduled on the loop: this handler may interrupt the loop's thread while it holds the
+            elif self.signals == 2 and self.loop is not None:
+                # Stop now: end the grace period, as at its end (Server.shutdown), and cancel what is still running
+                # a moment later, so the shutdown finishes within a step and the engine thread is joined. uvicorn's
+                # own second signal forces the exit: only SIGINT's (a second SIGTERM waited out the grace period
+                # for every request not in the engine: a body still arriving, a prompt being tokenized), and its
+                # skipped shutdown would leave the requests a bare 500 and the engine thread inside torch (an
+                # abort). Scheduled on the loop: this handler may interrupt the loop's thread while it holds the
                 # engine's lock.
-                self.loop.call_soon_threadsafe(engine.cut)
+                self.loop.call_soon_threadsafe(self.stop_now)
                 say(f"{fresh_line(sig)}blockpress: stopping now; requests in flight are cut")
-                return None
-            self.force_exit = True  # a third signal: uvicorn's forced exit, whatever is left
+            else:
+                self.force_exit = True  # a third signal: uvicorn's forced exit, whatever is left
+
+        def cut(self) -> None:
+            """The grace period's end: the engine refuses new requests and ends its jobs, each a 503 (a stream: an
+            error event), its thread within a step. A request not in the engine yet is cancelled by uvicorn a moment
+            later, or by stop_now, and answered with the same 503 (serve.AnswerStopped)."""
+            engine = self._engine()
+            if engine is not None:
+                engine.stop()
+
+        def stop_now(self) -> None:
+            """A second signal: the grace period ends now, and what is still running a moment later (a response
+            of the cut still being written aside) is cancelled, as uvicorn cancels it at the grace period's end."""
+            self.cut()
+            assert self.loop is not None  # (set by serve, before any signal is taken)
+            self.loop.call_later(0.1, lambda: [task.cancel() for task in list(self.server_state.tasks)])
 
         def _engine(self) -> Any:
             return getattr(getattr(self.config.app, "state", None), "engine", None)
@@ -201,9 +215,9 @@ def _server_class() -> type:
             # The grace period ends here, a moment before uvicorn cancels the requests still running: cut them
             # first, so they get a 503 (a stream: an error event) and the engine stops within a step (a cancel
             # alone answers a bare 500 and leaves the engine generating for nobody, and the exit aborts).
-            engine, grace = self._engine(), self.config.timeout_graceful_shutdown
-            if engine is not None and grace is not None:  # None: uvicorn waits for them without a limit
-                asyncio.get_running_loop().call_later(grace, engine.cut)
+            grace = self.config.timeout_graceful_shutdown
+            if grace is not None:  # None: uvicorn waits for them without a limit
+                asyncio.get_running_loop().call_later(grace, self.cut)
             await super().shutdown(sockets)
 
     return Server
