@@ -3957,6 +3957,49 @@ def test_serve_stopped_by_ctrl_c_on_a_terminal_says_so_off_its_echo():
     assert tail.endswith(b"(signal again to stop now)\r\nblockpress serve: interrupted\r\n"), out
 
 
+SERVE_STOPPED_MID_ENCODE = """
+import atexit, os, signal, sys, threading, time
+import httpx
+import blockpress.serve as serve
+from blockpress.cli import main
+serve.Engine.close.__defaults__ = (0.5,)  # (the shutdown's wait for the engine thread, shortened)
+encoding = threading.Event()
+def encode(batch):  # a long prompt's encode: one call, which no cut reaches until it ends
+    encoding.set()
+    time.sleep(60)
+serve.Batch.advance = encode
+port = int(sys.argv[1])
+def client():
+    for _ in range(600):
+        try:
+            httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "random-tiny", "prompt": "x"}, timeout=90)
+            return
+        except httpx.ConnectError:
+            time.sleep(0.1)
+threading.Thread(target=client, daemon=True).start()
+threading.Thread(target=lambda: encoding.wait(60) and os.kill(os.getpid(), signal.SIGINT), daemon=True).start()
+atexit.register(lambda: print("finalising", "with" if serve._LIVE_ENGINES else "without", "a live engine", flush=True))
+sys.exit(main(["serve", "--model", "random-tiny", "--port", sys.argv[1], "--threads", "1", "--shutdown-timeout", "0"]))
+"""
+
+
+def test_serve_stopped_while_the_engine_encodes_a_long_prompt_exits_without_finalising_around_it():
+    """A Ctrl-C while the engine encoded a long prompt (one call, which the cut reaches only at its end) said
+    "interrupted", waited 20 s (the shutdown's join, then the exit hook's), and the interpreter finalised with the
+    engine thread inside torch: "terminate called without an active exception", SIGABRT (134). The process now ends
+    once the shutdown's wait is over, with Ctrl-C's 130, without finalising around the engine thread."""
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    done = subprocess.run([sys.executable, "-c", SERVE_STOPPED_MID_ENCODE, str(port)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 130, (done.returncode, done.stdout, done.stderr[-2000:])
+    assert done.stderr.endswith("blockpress serve: interrupted\n"), done.stderr[-2000:]
+    assert "finalising" not in done.stdout, done.stdout
+
+
 def test_infill_stopped_by_sigterm_says_so():
     r = run_signalled("blockpress.lm:LM.infill", 1, "SIGTERM", "infill", "x = <|hole:2|>", "--model", MODEL,
                       "--json", "--threads", "1")

@@ -4,6 +4,7 @@ before the model loads."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import math
 import os
@@ -113,6 +114,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as exc:  # uvicorn raises the Ctrl-C again once shut down: the last line, said as the
         # stop's, on the line after "stopping" (run_command's would go off a "^C" long gone: a blank line between)
         say(f"blockpress serve: {stop_word(exc)}")
+        if app.state.engine.thread.is_alive():
+            # The engine thread is still inside torch past the shutdown's wait for it (Engine.close): a long
+            # prompt's encode, which a cut reaches only at its end. An interpreter that finalises around it aborts
+            # ("terminate called without an active exception", SIGABRT, 134, after atexit's wait too): the process
+            # ends here instead, with the stop's status, as a SIGTERM's default action ends it once uvicorn raises it.
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.flush()
+            os._exit(stop_status(exc))
         return stop_status(exc)
     return 0
 
