@@ -1090,7 +1090,8 @@ def test_a_setting_named_as_the_cli_or_the_server_names_it_is_refused_naming_the
     hints = {"n": "num_return_sequences", "steps": "max_denoising_steps", "max_tokens": "max_new_tokens",
              "chat_template_kwargs": "template_options=", "prefix": "prompt="}
     for call, name in ((lm.generate, "generate"), (lm.generate_ar, "generate_ar"),
-                       (lambda *a, **k: next(iter(lm.stream(*a, **k))), "stream"), (lm.chat_ids, "chat_ids")):
+                       (lambda *a, **k: next(iter(lm.stream(*a, **k))), "stream"), (lm.chat_ids, "chat_ids"),
+                       (lm.chat_stream, "chat_stream")):
         for word, meant in hints.items():
             with pytest.raises(ValueError, match=rf"^{word}: {name} takes no such keyword; .*{meant}.* here"):
                 call([3, 4], **{word: 1})
@@ -1104,6 +1105,8 @@ def test_a_setting_named_as_the_cli_or_the_server_names_it_is_refused_naming_the
     # chat's prompt is its messages: a prompt= passed on met generate's own (Python's "multiple values" TypeError)
     with pytest.raises(ValueError, match=r"^prompt: chat takes no such keyword; it takes messages, "):
         code.chat([{"role": "user", "content": "hi"}], prompt="x")
+    with pytest.raises(ValueError, match=r"^prompt: chat_stream takes no such keyword; it takes ids, "):
+        code.chat_stream([3, 4], prompt="x")
     # transformers' keywords still go on to generate, which maps them; and generate's own word on drafts stands
     out = code.chat([{"role": "user", "content": "hi"}], num_return_sequences=2, max_new_tokens=2, max_denoising_steps=2)
     assert out.new_tokens.shape == (2, 2)

@@ -146,9 +146,23 @@ def test_a_key_set_in_lm_generation_config_that_blockpress_does_not_read_is_said
     assert [str(w.message) for w in recwarn.list] == []
     assert again.generation_config["t_min"] == 0.3 and "temperature" not in again.generation_config
     # a loaded folder's own unread keys were said by load: generate does not say them again
-    gemma = blockpress.LM(lm.model, None, {"do_sample": True})
+    config = json.loads((tmp_path / "saved" / "generation_config.json").read_text())
+    (tmp_path / "saved" / "generation_config.json").write_text(json.dumps({**config, "do_sample": True}))
+    gemma = blockpress.load(tmp_path / "saved")
+    assert [str(w.message).split(": ")[1] for w in recwarn.list] == ["do_sample"]
+    recwarn.clear()
     gemma.generate([3, 4], max_new_tokens=2, max_denoising_steps=2)
     assert [str(w.message) for w in recwarn.list] == []
+    # given to LM(...) (no load said it), or set on a quantized copy (its own settings): said at its generate
+    for other in (blockpress.LM(lm.model, None, {"do_sample": True}), gemma.quantized_copy("int8")):
+        other.generation_config["typical_p"] = 0.9
+        other.generate([3, 4], max_new_tokens=2, max_denoising_steps=2)
+        said = [str(w.message) for w in recwarn.list]
+        assert len(said) == 1 and said[0].startswith("lm.generation_config: ") and "typical_p" in said[0], said
+        recwarn.clear()
+    gemma.generation_config["typical_p"] = 0.9  # (the copy's saying was its own)
+    gemma.generate([3, 4], max_new_tokens=2, max_denoising_steps=2)
+    assert len(recwarn.list) == 1 and "typical_p" in str(recwarn.list[0].message)
 
 
 def test_blockpress_own_file_is_checked_too_and_known_keys_pass_quietly(ref_checkpoint, tmp_path):
