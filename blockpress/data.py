@@ -205,15 +205,17 @@ def _kept_response(tokenizer: Any, text: str, context: tuple[int, int, int | Non
     tokenized: a 12 MB one kept to 4 canvases took 230 s and 3 GB to tokenize whole, and the hint of the refusal
     without --max-canvases (a 48 MB response) led there. The text kept holds at least a canvas more tokens than are
     kept (no token holds more than longest_token characters), and where the tokenizer splits at _PIECE_BOUNDARY
-    (encode_document) it is cut at one, so the ids kept are the whole text's; another tokenizer's cut changes at most
-    its last tokens, in the canvas dropped."""
+    (encode_document) it is cut at the first one past that, so the ids kept are the whole text's; another
+    tokenizer's cut, or one in a stretch without a boundary (base64, minified JSON: encoded whole, it was 1.7 M ids
+    kept of 2 MB), changes at most its last tokens, in the canvas dropped. (A response no longer than that is kept
+    whole, as before: split_heldout hashes the ids kept.)"""
     if context is None or not context[2]:
         return tokenizer.encode(text)
     keep = context[2] * context[0]
     limit = (keep + context[0]) * tokenizer.longest_token()
     if len(text) > limit and _splits_at_boundaries(tokenizer):
-        cut = _PIECE_BOUNDARY.search(text, limit)  # none: a stretch without a boundary, encoded whole
-        limit = cut.start() if cut else len(text)
+        cut = _PIECE_BOUNDARY.search(text, limit)
+        limit = cut.start() if cut else limit
     if len(text) <= limit:
         return tokenizer.encode(text)
     return tokenizer.encode(text[:limit])[:keep]

@@ -556,6 +556,15 @@ def test_max_canvases_tokenizes_a_long_response_as_far_as_it_keeps(tmp_path, tok
     [ex] = load_jsonl(path, tok, context=(16, 64, 2))
     assert max(encoded) < (2 * 16 + 16) * most + 100  # the prompt and a prefix of the response, never all of it
     assert ex.response == encode(long)[: 2 * 16]
+    # a stretch without a point to cut at (base64, minified JSON) is cut at the limit all the same: it was encoded
+    # whole, and kept whole (2 MB of base64: 1.7 M ids, review)
+    import base64
+    import random
+
+    blob = base64.b64encode(random.Random(0).randbytes(60_000)).decode()
+    encoded.clear()
+    [ex] = parse_examples({"prompt": "def f", "response": blob}, tok, "d.jsonl:1", context=(16, 64, 2))
+    assert max(encoded) < (2 * 16 + 16) * most + 100 and ex.response == encode(blob)[: 2 * 16]
     # a response that is not that long is kept whole, as without max_canvases
     encoded.clear()
     [short] = parse_examples({"prompt": "def f", "response": "x = 1\n" * 3}, tok, "d.jsonl:1", context=(16, 64, 2))
