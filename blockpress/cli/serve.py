@@ -108,22 +108,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if api_key is None and not ipaddress.ip_address(host).is_loopback:
         print_warning(f"no API key, so anyone who reaches {url_host}:{port} can use the model: set "
                       "BLOCKPRESS_API_KEY (or --api-key) to require one")
+    server = _server_class()(uvicorn.Config(app, log_level="warning", http=header_deadline_protocol(),
+                                            timeout_graceful_shutdown=args.shutdown_timeout))
     try:
-        _server_class()(uvicorn.Config(app, log_level="warning", http=header_deadline_protocol(),
-                                       timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])
+        server.run(sockets=[sock])
     except KeyboardInterrupt as exc:  # uvicorn raises the Ctrl-C again once shut down: the last line, said as the
         # stop's, on the line after "stopping" (run_command's would go off a "^C" long gone: a blank line between)
         say(f"blockpress serve: {stop_word(exc)}")
-        if app.state.engine.thread.is_alive():
-            # The engine thread is still inside torch past the shutdown's wait for it (Engine.close): a long
-            # prompt's encode, which a cut reaches only at its end. An interpreter that finalises around it aborts
-            # ("terminate called without an active exception", SIGABRT, 134, after atexit's wait too): the process
-            # ends here instead, with the stop's status, as a SIGTERM's default action ends it once uvicorn raises it.
-            with contextlib.suppress(OSError, ValueError):
-                sys.stderr.flush()
-            os._exit(stop_status(exc))
+        _end_past_engine(app, stop_status(exc))
         return stop_status(exc)
+    if server.first_signal is not None:
+        # Stopped by a signal that uvicorn's raise once shut down did not end: a SIGTERM left at its default action
+        # is ignored by a container's PID 1 (`docker stop` with no --init). Its status, as anywhere else.
+        _end_past_engine(app, 128 + server.first_signal)
+        return 128 + server.first_signal
     return 0
+
+
+def _end_past_engine(app: Any, status: int) -> None:
+    """End the process at once, with `status`, if the engine thread is still inside torch past the shutdown's wait
+    for it (Engine.close): a long prompt's encode, which a cut reaches only at its end. An interpreter that finalises
+    around it aborts ("terminate called without an active exception", SIGABRT, 134, after atexit's wait too), as a
+    SIGTERM's default action would have ended it once uvicorn raised it again."""
+    if app.state.engine.thread.is_alive():
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+        os._exit(status)
 
 
 def say(line: str) -> None:
@@ -152,6 +162,7 @@ def _server_class() -> type:
         server finishing a long request would look hung)."""
 
         signals = 0  # stop signals received
+        first_signal: int | None = None  # the first one's number: the exit status is 128 + it
         loop: asyncio.AbstractEventLoop | None = None
 
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -161,6 +172,7 @@ def _server_class() -> type:
             # requests in flight a bare 500).
             self.signals += 1
             if self.signals == 1:
+                self.first_signal = sig
                 super().handle_exit(sig, frame)
                 grace = self.config.timeout_graceful_shutdown  # None (uvicorn's default): no limit
                 say(f"{fresh_line(sig)}blockpress: stopping; requests in flight get "
