@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
@@ -868,14 +868,15 @@ class LM:
         path: Path | None = None,
         adapter: Path | None = None,
         widened_from: torch.dtype | None = None,
+        unread_said: Iterable[str] = (),
     ):
         self.model = model.eval()
         self.tokenizer = check_tokenizer(tokenizer)
         self.generation_config = dict(generation_config or {})
-        # keys blockpress does not read that have been said to be ignored (`load` sets the ones it warned about); any
-        # other in lm.generation_config, given here or set later, is said when generate reads the dict
-        # (`sampler_defaults`)
-        self._unread_said: set[str] = set()
+        # keys blockpress does not read that have been said to be ignored (`unread_said`: the ones read_generation_config
+        # warned about, for the folder read); any other in lm.generation_config, given here or set later, is said when
+        # generate reads the dict (`sampler_defaults`)
+        self._unread_said = set(unread_said)
         self._max_length_from = "generation config"  # whose max_length errors name: a call's max_length= is its own
         self.passthrough = passthrough or Passthrough()
         # the base's folder, absolute: a save after a chdir recorded another folder of that name as quantized_from
@@ -1186,7 +1187,7 @@ class LM:
         """The checkpoint's generation_config.json, else the reference's defaults. A key blockpress does not read
         (HF's temperature, do_sample, a typo) is said once, as load says one in the file: silent, it looked applied."""
         said = self.__dict__.setdefault("_unread_said", set())  # (an LM pickled before the set existed)
-        unread = sorted(key for key in self.generation_config if key not in KNOWN_GENERATION_KEYS and key not in said)
+        unread = sorted(unread_generation_keys(self.generation_config) - said)
         if unread:
             said.update(unread)
             warn_user(f"lm.generation_config: {', '.join(unread)}: {UNREAD_GENERATION_KEYS}"
@@ -2279,7 +2280,7 @@ class LM:
         # neither here nor in transformers
         check_generation_settings(gen, "save: generation_config")
         # a key blockpress does not read would land in its own file, which the next load warns about: left out
-        unread = sorted(key for key in gen if key not in KNOWN_GENERATION_KEYS)
+        unread = sorted(unread_generation_keys(gen))
         if unread:
             warn_user(f"save: generation_config: {', '.join(unread)}: not blockpress settings, left out of {path} "
                       "(blockpress ignores them)")
@@ -2353,6 +2354,11 @@ BLOCKPRESS_GENERATION_FILE = "blockpress_generation_config.json"
 # special ids and the sampler's; the rest say how the reference runs, not what it generates) and blockpress's
 # own settings. Anything else (HF's temperature, do_sample, top_k, ...) would look in effect and be ignored.
 KNOWN_GENERATION_KEYS = REFERENCE_GENERATION_KEYS | {f.name for f in fields(SamplerConfig)} | {"token_healing"}
+def unread_generation_keys(gen: dict[str, Any]) -> set[str]:
+    """The keys of a generation config that blockpress does not read (read_generation_config warns about them)."""
+    return {key for key in gen if key not in KNOWN_GENERATION_KEYS}
+
+
 UNREAD_GENERATION_KEYS = ("not blockpress settings, ignored (it reads max_new_tokens, max_length, eos_token_id, "
                           "pad_token_id, sampler_config and SamplerConfig's fields)")
 
@@ -2574,8 +2580,7 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
     # merged in float32 would be rounded to the base weights' step, as a LoRA run's own checkpoint is not (float32)
     widened_from = plan.widened_from if adapter is None else None
     lm = LM(model, tokenizer, generation, passthrough=passthrough, path=path, adapter=adapter,
-            widened_from=widened_from)
-    lm._unread_said = {key for key in generation if key not in KNOWN_GENERATION_KEYS}  # (read_generation_config's)
+            widened_from=widened_from, unread_said=unread_generation_keys(generation))
     # (codes made in the load, or stored, are the stored weights': only a plain load's rounding counts)
     rounded = quantize is None and not plan.quantized and plan.stored is not None and \
         not keeps_values(plan.stored, plan.dtype)

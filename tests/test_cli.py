@@ -2260,6 +2260,18 @@ def test_an_interrupted_generate_keeps_the_text_committed_so_far(monkeypatch, ca
     assert cut["new_tokens"] == canvas and 1 <= cut["forward_passes"] <= 2 and cut["prompt"] == "def f(x):"
 
 
+def test_info_says_an_unread_generation_config_key_once(tmp_path, capsys):
+    """info builds its LM from the folder's files as load does: a key blockpress does not read was said by the
+    reading and again when info read the sampler defaults (review)."""
+    blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0).save(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "generation_config.json").read_text())
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.7}))
+    capsys.readouterr()
+    assert main(["info", "--model", str(tmp_path / "m"), "--json"]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "temperature" in line]
+    assert len(said) == 1 and str(tmp_path / "m" / "generation_config.json") in said[0], said
+
+
 def test_info_counts_without_reading_the_weights(monkeypatch, capsys, tmp_path):
     """`info` loaded the model to count it (a bf16 26B became 101 GB of float32 on an AVX2 CPU), and a folder
     with config.json alone could not be described. It now counts on the meta device, from the safetensors headers."""

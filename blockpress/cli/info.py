@@ -22,7 +22,7 @@ def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     never a tensor's data. (Loading to count would convert a bf16 checkpoint to float32 on a CPU without native bf16:
     four bytes a parameter.)"""
     from blockpress.checkpoint import index_total_size, plan_model, resolve_device, tensor_kind
-    from blockpress.lm import LM, read_generation_config, resolve_model
+    from blockpress.lm import LM, read_generation_config, resolve_model, unread_generation_keys
 
     if args.model.startswith(RANDOM_PREFIX):  # random weights: float32 unless --dtype, as `random_model` makes them
         from blockpress.quantize import fit_cpu_kernels
@@ -47,7 +47,8 @@ def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         from blockpress.train import adapter_generation
 
         generation.update(adapter_generation(adapter))  # as blockpress.load puts them over the base's
-    lm = LM(plan.meta_model(), tokenizer, generation, path=path, adapter=adapter)
+    lm = LM(plan.meta_model(), tokenizer, generation, path=path, adapter=adapter,
+            unread_said=unread_generation_keys(generation))  # (said by read_generation_config, as in a load)
     if adapter is not None:
         from blockpress.train import check_adapter_base
 
