@@ -365,7 +365,8 @@ def check_settings(path: Path, settings: dict[str, Any], flag: Callable[[str], s
     unchecked, as they were).
     `recorded(key, value)`: a held value as this run would record it (a --model folder typed otherwise in lines of
     before: by where it is). `skip`: settings not compared, this run's not known yet (a dtype the load decides);
-    `unrecorded_ok`: settings a line may lack, taken unchecked there (lines written before they were recorded)"""
+    `unrecorded_ok`: settings a line may lack, taken unchecked there (lines written before they were recorded), such
+    lines counted among the unchecked"""
     wanted = json.loads(json.dumps(settings))  # as a line holds them (a tuple as a list, a float as JSON reads it)
     unchecked = 0
     for number, raw in enumerate(path.read_bytes().split(b"\n"), 1):
@@ -379,6 +380,7 @@ def check_settings(path: Path, settings: dict[str, Any], flag: Callable[[str], s
             raise ValueError(f"{path}:{number}: settings: expected an object of the settings the line was made with, "
                              f"got {json.dumps(held)[:40]}")
         held = {key: recorded(key, value) for key, value in held.items()}
+        unchecked += any(key not in held for key in unrecorded_ok)
         for key in [*wanted, *(k for k in held if k not in wanted)]:
             if key in skip or (key in unrecorded_ok and key not in held):
                 continue

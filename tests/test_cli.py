@@ -5405,7 +5405,9 @@ def test_resume_checks_the_dtype_a_run_computes_in_given_or_by_default(tmp_path,
     line = json.loads(whole.splitlines()[0])
     del line["settings"]["dtype"]
     out.write_text(json.dumps(line) + "\n")
+    capsys.readouterr()
     assert main([*run, "--resume"]) == 0 and len(out.read_text().splitlines()) == 2
+    assert f"--resume: 1 line of {out} records no dtype" in capsys.readouterr().err  # (said: they may differ)
     out.write_text(json.dumps(line) + "\n")  # (--dtype given: such a line was made without it, as it says)
     assert main([*run, "--resume", "--dtype", "float32"]) == 2
 

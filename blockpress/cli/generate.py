@@ -438,8 +438,12 @@ def loaded_settings(args: argparse.Namespace, output: Path | None, names: tuple[
     settings = run_settings(args, names, lm)
     if args.dtype is None and output is not None and output.exists() and args.resume:
         # (a line written before lines recorded the dtype a run without --dtype computed in is taken unchecked)
-        check_settings(output, settings, lambda key: typed_flag(args, "--" + key.replace("_", "-")),
-                       recorded=recorded_setting, unrecorded_ok=("dtype",))
+        unknown = check_settings(output, settings, lambda key: typed_flag(args, "--" + key.replace("_", "-")),
+                                 recorded=recorded_setting, unrecorded_ok=("dtype",))
+        if unknown:
+            print_warning(f"--resume: {unknown} line{'' if unknown == 1 else 's'} of {output} record{'s' if unknown == 1 else ''} no dtype "
+                          f"(written before lines recorded the one a run computes in); the rest are computed in "
+                          f"{settings['dtype']}, which those may not have been (--overwrite starts the file again)")
     return settings
 
 
