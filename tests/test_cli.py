@@ -5390,7 +5390,8 @@ def test_resume_checks_the_dtype_a_run_computes_in_given_or_by_default(tmp_path,
         monkeypatch.setattr(checkpoint, "cpu_computes_natively", lambda dtype: False)  # loads in float32
         capsys.readouterr()
         assert main([*command, "--resume"]) == 2 and path.read_text() == first
-        assert capsys.readouterr().err.endswith(f" error: --dtype: {path}:1 was written with bfloat16, this run asks "
+        assert capsys.readouterr().err.endswith(f" error: --dtype (none given: the load picked this machine's): "
+                                                f"{path}:1 was written with bfloat16, this run asks "
                                                 "float32; resume with the flags the output was made with, or give "
                                                 "--overwrite to start it again\n")
         assert main([*command, "--resume", "--dtype", "bfloat16"]) == 0  # (emulated: slow, but these rows)

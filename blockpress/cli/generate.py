@@ -438,7 +438,8 @@ def loaded_settings(args: argparse.Namespace, output: Path | None, names: tuple[
     settings = run_settings(args, names, lm)
     if args.dtype is None and output is not None and output.exists() and args.resume:
         # (a line written before lines recorded the dtype a run without --dtype computed in is taken unchecked)
-        unknown = check_settings(output, settings, lambda key: typed_flag(args, "--" + key.replace("_", "-")),
+        # (the one setting left to compare: the dtype, which no flag asked)
+        unknown = check_settings(output, settings, lambda key: "--dtype (none given: the load picked this machine's)",
                                  recorded=recorded_setting, unrecorded_ok=("dtype",))
         if unknown:
             print_warning(f"--resume: {unknown} line{'' if unknown == 1 else 's'} of {output} record{'s' if unknown == 1 else ''} no dtype "
