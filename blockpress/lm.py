@@ -1190,7 +1190,7 @@ class LM:
         unread = sorted(unread_generation_keys(self.generation_config) - said)
         if unread:
             said.update(unread)
-            warn_user(f"lm.generation_config: {', '.join(unread)}: {UNREAD_GENERATION_KEYS}"
+            warn_user(f"lm.generation_config: {', '.join(unread)}: {UNREAD_KEYS_NOTE}"
                       f"{f'; {TEMPERATURE_HINT}' if {'temperature', 'do_sample'} & set(unread) else ''}")
         return SamplerConfig.from_generation_config(self.generation_config)
 
@@ -2354,13 +2354,16 @@ BLOCKPRESS_GENERATION_FILE = "blockpress_generation_config.json"
 # special ids and the sampler's; the rest say how the reference runs, not what it generates) and blockpress's
 # own settings. Anything else (HF's temperature, do_sample, top_k, ...) would look in effect and be ignored.
 KNOWN_GENERATION_KEYS = REFERENCE_GENERATION_KEYS | {f.name for f in fields(SamplerConfig)} | {"token_healing"}
+
+
 def unread_generation_keys(gen: dict[str, Any]) -> set[str]:
     """The keys of a generation config that blockpress does not read (read_generation_config warns about them)."""
     return {key for key in gen if key not in KNOWN_GENERATION_KEYS}
 
 
-UNREAD_GENERATION_KEYS = ("not blockpress settings, ignored (it reads max_new_tokens, max_length, eos_token_id, "
-                          "pad_token_id, sampler_config and SamplerConfig's fields)")
+# what is said of keys that unread_generation_keys finds (by load, by generate and by save)
+UNREAD_KEYS_NOTE = ("not blockpress settings, ignored (it reads max_new_tokens, max_length, eos_token_id, "
+                    "pad_token_id, sampler_config and SamplerConfig's fields)")
 
 
 def split_generation_config(gen: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -2427,12 +2430,12 @@ def read_generation_config(path: Path, vocab_size: int) -> dict[str, Any]:
         content = read_json_object(f)
         raw.update(content)
         source.update(dict.fromkeys(content, f))
-        unused = sorted(k for k in content if k not in KNOWN_GENERATION_KEYS)
+        unused = sorted(unread_generation_keys(content))
         if unused:
             hint = ""
             if {"temperature", "do_sample"} & set(unused):
                 hint = f"; {TEMPERATURE_HINT}"
-            warn_user(f"{f}: {', '.join(unused)}: {UNREAD_GENERATION_KEYS}{hint}")
+            warn_user(f"{f}: {', '.join(unused)}: {UNREAD_KEYS_NOTE}{hint}")
         # A Gemma-style generation_config.json ({"do_sample": true, "top_k": 64, "top_p": 0.95}) holds an
         # autoregressive model's settings; their names are also SamplerConfig's candidate filters, which blockpress
         # reads (where its own file does not set them): said, not silent.
