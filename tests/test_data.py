@@ -587,12 +587,6 @@ def test_raw_texts_tokenizing_is_reported_and_shown_on_a_terminal_alone(tmp_path
     """`train --data` on a folder of raw text tokenized it in silence (the standard library's 162 MB: minutes).
     load_text reports the characters done after each document, and train's bar is drawn on a terminal's stderr
     (a pty here) alone: nothing on a pipe or with --quiet; the tokens are the same either way."""
-    import fcntl
-    import io
-    import os
-    import pty
-    import struct
-    import termios
 
     from blockpress.cli.train import train_corpus
 
@@ -606,34 +600,14 @@ def test_raw_texts_tokenizing_is_reported_and_shown_on_a_terminal_alone(tmp_path
     assert load_text(folder, tok, progress=lambda done, total: calls.append((done, total))).arrays[0].tolist() == plain
     kept = [len(d) for d in docs if d.strip()]  # (a blank document is left out)
     assert calls == [(0, sum(kept))] + [(sum(kept[: i + 1]), sum(kept)) for i in range(len(kept))]
-    main_fd, terminal_fd = pty.openpty()
-    fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # (a new pty has 0 columns)
-    terminal = open(terminal_fd, "w", buffering=1, closefd=True)
-    try:
-        for stream, quiet, drawn in ((terminal, False, True), (terminal, True, False), (io.StringIO(), False, False)):
-            monkeypatch.setattr(sys, "stderr", stream)
-            assert train_corpus(str(folder), "--data", tok, 300, quiet=quiet).arrays[0].tolist() == plain
-            stream.flush()
-            shown = read_terminal(main_fd, 2 if drawn else 0.2)
-            if stream is terminal:
-                assert ("--data tokenizing" in shown) == drawn, (quiet, shown)
-            else:
-                assert stream.getvalue() == ""
-    finally:
-        terminal.close()
-        os.close(main_fd)
+    assert_bar_on_a_terminal_alone(monkeypatch, "--data tokenizing", lambda quiet: train_corpus(
+        str(folder), "--data", tok, 300, quiet=quiet).arrays[0].tolist() == plain)
 
 
 def test_jsonl_examples_reading_is_reported_and_shown_on_a_terminal_alone(tmp_path, tok, monkeypatch):
     """`train --data` on JSONL examples tokenized them in silence, on a terminal too (800k prompt/response records:
     150 s, 10k chats: 70 s, an error on the last line said only then). load_jsonl reports the bytes read after each
     record, and train's bar is drawn on a terminal's stderr (a pty here) alone: nothing on a pipe or with --quiet."""
-    import fcntl
-    import io
-    import os
-    import pty
-    import struct
-    import termios
     from types import SimpleNamespace
 
     from blockpress.cli.train import _examples
@@ -652,22 +626,8 @@ def test_jsonl_examples_reading_is_reported_and_shown_on_a_terminal_alone(tmp_pa
     assert calls == [(sizes[0], sum(sizes)), (sum(sizes[:3]), sum(sizes)), (sum(sizes), sum(sizes))]
     lm = SimpleNamespace(tokenizer=tok, config=SimpleNamespace(canvas_length=4, text=SimpleNamespace(
         vocab_size=300, max_position_embeddings=512)))
-    main_fd, terminal_fd = pty.openpty()
-    fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # (a new pty has 0 columns)
-    terminal = open(terminal_fd, "w", buffering=1, closefd=True)
-    try:
-        for stream, quiet, drawn in ((terminal, False, True), (terminal, True, False), (io.StringIO(), False, False)):
-            monkeypatch.setattr(sys, "stderr", stream)
-            assert _examples(str(folder), "--data", lm, TrainConfig(), quiet) == plain
-            stream.flush()
-            shown = read_terminal(main_fd, 2 if drawn else 0.2)
-            if stream is terminal:
-                assert ("--data reading" in shown) == drawn, (quiet, shown)
-            else:
-                assert stream.getvalue() == ""
-    finally:
-        terminal.close()
-        os.close(main_fd)
+    assert_bar_on_a_terminal_alone(monkeypatch, "--data reading",
+                                   lambda quiet: _examples(str(folder), "--data", lm, TrainConfig(), quiet) == plain)
 
 
 def test_a_folder_is_walked_once_inside_folders_listed_once_and_afresh_outside(tmp_path, monkeypatch):
@@ -940,6 +900,34 @@ def test_data_named_metrics_jsonl_is_still_data(tmp_path, tok):
     (data / "eval").mkdir(parents=True)
     (data / "eval" / "metrics.jsonl").write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
     assert jsonl_files(data) == [data / "eval" / "metrics.jsonl"] and len(load_jsonl(data, tok)) == 1
+
+
+def assert_bar_on_a_terminal_alone(monkeypatch, label: str, run) -> None:
+    """`run(quiet)` (True when its result is right) with stderr a terminal (a pty), the same with quiet, and a pipe:
+    a bar named `label` is drawn on the first alone."""
+    import fcntl
+    import io
+    import os
+    import pty
+    import struct
+    import termios
+
+    main_fd, terminal_fd = pty.openpty()
+    fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # (a new pty has 0 columns)
+    terminal = open(terminal_fd, "w", buffering=1, closefd=True)
+    try:
+        for stream, quiet, drawn in ((terminal, False, True), (terminal, True, False), (io.StringIO(), False, False)):
+            monkeypatch.setattr(sys, "stderr", stream)
+            assert run(quiet)
+            stream.flush()
+            shown = read_terminal(main_fd, 2 if drawn else 0.2)
+            if stream is terminal:
+                assert (label in shown) == drawn, (quiet, shown)
+            else:
+                assert stream.getvalue() == ""
+    finally:
+        terminal.close()
+        os.close(main_fd)
 
 
 def test_a_byte_order_mark_before_raw_text_is_not_trained_on(tmp_path, tok):
