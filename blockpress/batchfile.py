@@ -355,36 +355,37 @@ def _output_lines(path: Path, lines: list[bytes], rows: list[Row], kind: LineKin
     return set(done)
 
 
+def recorded_settings(path: Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
+    """(line number, the settings it was made with) for each line of the output `path`: None for a line written
+    before output lines recorded them; settings that are no object are refused, naming the line."""
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        held = parse_json(raw).get("settings")
+        if held is not None and not isinstance(held, dict):
+            raise ValueError(f"{path}:{number}: settings: expected an object of the settings the line was made with, "
+                             f"got {json.dumps(held)[:40]}")
+        yield number, held
+
+
 def check_settings(path: Path, settings: dict[str, Any], flag: Callable[[str], str],
-                   recorded: Callable[[str, Any], Any] = lambda key, value: value, skip: Collection[str] = (),
-                   unrecorded_ok: Collection[str] = ()) -> int:
+                   recorded: Callable[[str, Any], Any] = lambda key, value: value, skip: Collection[str] = ()) -> int:
     """--resume's check that every line of the output `path` (done_lines has read it) was made with this run's
     `settings` (the flags that change what a row gets, as its output lines record them): the first line made
     otherwise is refused by the first setting that differs, named by its `flag` with both values, so a resumed file
     never holds lines made two ways. The count of lines written before output lines recorded their settings (taken
     unchecked, as they were).
     `recorded(key, value)`: a held value as this run would record it (a --model folder typed otherwise in lines of
-    before: by where it is). `skip`: settings not compared, this run's not known yet (a dtype the load decides);
-    `unrecorded_ok`: settings a line may lack, taken unchecked there (lines written before they were recorded), such
-    lines counted among the unchecked"""
+    before: by where it is). `skip`: settings not compared, this run's not known yet (a dtype the load decides)"""
     wanted = json.loads(json.dumps(settings))  # as a line holds them (a tuple as a list, a float as JSON reads it)
     unchecked = 0
-    for number, raw in enumerate(path.read_bytes().split(b"\n"), 1):
-        if not raw.strip():
-            continue
-        held = parse_json(raw).get("settings")
+    for number, held in recorded_settings(path):
         if held is None:
             unchecked += 1
             continue
-        if not isinstance(held, dict):
-            raise ValueError(f"{path}:{number}: settings: expected an object of the settings the line was made with, "
-                             f"got {json.dumps(held)[:40]}")
         held = {key: recorded(key, value) for key, value in held.items()}
-        unchecked += any(key not in held for key in unrecorded_ok)
         for key in [*wanted, *(k for k in held if k not in wanted)]:
-            if key in skip or (key in unrecorded_ok and key not in held):
-                continue
-            if held.get(key) != wanted.get(key):
+            if key not in skip and held.get(key) != wanted.get(key):
                 raise ValueError(f"{flag(key)}: {path}:{number} was written {_with(held, key)}, this run "
                                  f"{_asks(wanted, key)}; resume with the flags the output was made with, or give "
                                  "--overwrite to start it again")

@@ -5390,10 +5390,10 @@ def test_resume_checks_the_dtype_a_run_computes_in_given_or_by_default(tmp_path,
         monkeypatch.setattr(checkpoint, "cpu_computes_natively", lambda dtype: False)  # loads in float32
         capsys.readouterr()
         assert main([*command, "--resume"]) == 2 and path.read_text() == first
-        assert capsys.readouterr().err.endswith(f" error: --dtype (none given: the load picked this machine's): "
-                                                f"{path}:1 was written with bfloat16, this run asks "
-                                                "float32; resume with the flags the output was made with, or give "
-                                                "--overwrite to start it again\n")
+        assert capsys.readouterr().err.endswith(f" error: --dtype: {path}:1 was written with bfloat16; with no "
+                                                "--dtype this run computes in float32, the load's pick for this "
+                                                "machine: give --dtype bfloat16 to continue it, or --overwrite to "
+                                                "start it again\n")
         assert main([*command, "--resume", "--dtype", "bfloat16"]) == 0  # (emulated: slow, but these rows)
     # made with --dtype float32, continued where float32 is the default
     assert main([*run, "--dtype", "float32", "--overwrite"]) == 0
@@ -5409,6 +5409,16 @@ def test_resume_checks_the_dtype_a_run_computes_in_given_or_by_default(tmp_path,
     capsys.readouterr()
     assert main([*run, "--resume"]) == 0 and len(out.read_text().splitlines()) == 2
     assert f"--resume: 1 line of {out} records no dtype" in capsys.readouterr().err  # (said: they may differ)
+    # a line of before settings were recorded at all is said once, as such (it was counted in both warnings)
+    bare = {k: v for k, v in line.items() if k != "settings"}
+    second = json.loads(whole.splitlines()[1])
+    del second["settings"]["dtype"]
+    write_input(tmp_path / "more.jsonl", INPUT_LINES[:3])
+    out.write_text(json.dumps(bare) + "\n" + json.dumps(second) + "\n")
+    capsys.readouterr()
+    assert main([*run[:2], str(tmp_path / "more.jsonl"), *run[3:], "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "1 line of" in err and f"--resume: 1 line of {out} records no dtype" in err and "2 lines" not in err, err
     out.write_text(json.dumps(line) + "\n")  # (--dtype given: such a line was made without it, as it says)
     assert main([*run, "--resume", "--dtype", "float32"]) == 2
 

@@ -433,18 +433,25 @@ def loaded_settings(args: argparse.Namespace, output: Path | None, names: tuple[
     against an output resumed (lines_done, before the load, could not), so a file made in bfloat16 on one machine
     is not continued in float32 on another, and one made with --dtype float32 is continued where float32 is the
     default."""
-    from blockpress.batchfile import check_settings
+    from blockpress.batchfile import recorded_settings
 
     settings = run_settings(args, names, lm)
     if args.dtype is None and output is not None and output.exists() and args.resume:
-        # (a line written before lines recorded the dtype a run without --dtype computed in is taken unchecked)
-        # (the one setting left to compare: the dtype, which no flag asked)
-        unknown = check_settings(output, settings, lambda key: "--dtype (none given: the load picked this machine's)",
-                                 recorded=recorded_setting, unrecorded_ok=("dtype",))
+        dtype, unknown = settings["dtype"], 0
+        for number, held in recorded_settings(output):  # (lines_done compared the rest, and said lines without any)
+            if held is None:
+                continue
+            if "dtype" not in held:  # written before lines recorded the dtype a run without --dtype computed in
+                unknown += 1
+            elif held["dtype"] != dtype:
+                raise ValueError(f"--dtype: {output}:{number} was written with {held['dtype']}; with no --dtype this "
+                                 f"run computes in {dtype}, the load's pick for this machine: give --dtype "
+                                 f"{held['dtype']} to continue it, or --overwrite to start it again")
         if unknown:
-            print_warning(f"--resume: {unknown} line{'' if unknown == 1 else 's'} of {output} record{'s' if unknown == 1 else ''} no dtype "
-                          f"(written before lines recorded the one a run computes in); the rest are computed in "
-                          f"{settings['dtype']}, which those may not have been (--overwrite starts the file again)")
+            print_warning(f"--resume: {unknown} line{'' if unknown == 1 else 's'} of {output} "
+                          f"record{'s' if unknown == 1 else ''} no dtype (written before lines recorded the one a run "
+                          f"computes in); the rest are computed in {dtype}, which those may not have been "
+                          "(--overwrite starts the file again)")
     return settings
 
 
