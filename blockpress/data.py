@@ -205,7 +205,7 @@ def _kept_response(tokenizer: Any, text: str, context: tuple[int, int, int | Non
     tokenized: a 12 MB one kept to 4 canvases took 230 s and 3 GB to tokenize whole, and the hint of the refusal
     without --max-canvases (a 48 MB response) led there. The text kept holds at least a canvas more tokens than are
     kept (no token holds more than longest_token characters), and where the tokenizer splits at _PIECE_BOUNDARY
-    (encode_document) it is cut at the first one past that, so the ids kept are the whole text's; another
+    (encode_document) it is cut at one a canvas past that at most, so the ids kept are the whole text's; another
     tokenizer's cut, or one in a stretch without a boundary (base64, minified JSON: encoded whole, it was 1.7 M ids
     kept of 2 MB), changes at most its last tokens, in the canvas dropped. (A response no longer than that is kept
     whole, as before: split_heldout hashes the ids kept.)"""
@@ -214,7 +214,8 @@ def _kept_response(tokenizer: Any, text: str, context: tuple[int, int, int | Non
     keep = context[2] * context[0]
     limit = (keep + context[0]) * tokenizer.longest_token()
     if len(text) > limit and _splits_at_boundaries(tokenizer):
-        cut = _PIECE_BOUNDARY.search(text, limit)
+        # (within a canvas's characters more: a blob followed by a line far on was encoded up to that line)
+        cut = _PIECE_BOUNDARY.search(text, limit, limit + context[0] * tokenizer.longest_token())
         limit = cut.start() if cut else limit
     if len(text) <= limit:
         return tokenizer.encode(text)

@@ -565,6 +565,9 @@ def test_max_canvases_tokenizes_a_long_response_as_far_as_it_keeps(tmp_path, tok
     encoded.clear()
     [ex] = parse_examples({"prompt": "def f", "response": blob}, tok, "d.jsonl:1", context=(16, 64, 2))
     assert max(encoded) < (2 * 16 + 16) * most + 100 and ex.response == encode(blob)[: 2 * 16]
+    encoded.clear()  # (and followed by a line far on, where a cut could go: it was encoded up to that line)
+    [ex] = parse_examples({"prompt": "def f", "response": blob + "\nend"}, tok, "d.jsonl:1", context=(16, 64, 2))
+    assert max(encoded) < (2 * 16 + 16 * 2) * most + 100 and ex.response == encode(blob)[: 2 * 16]
     # a response that is not that long is kept whole, as without max_canvases
     encoded.clear()
     [short] = parse_examples({"prompt": "def f", "response": "x = 1\n" * 3}, tok, "d.jsonl:1", context=(16, 64, 2))
