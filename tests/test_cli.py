@@ -1695,6 +1695,8 @@ def serve_answering(monkeypatch, send):
     answers = []
 
     class Server:
+        first_signal = None  # (no stop signal: the run ends by itself)
+
         def __init__(self, config):
             self.app = config.app
 
