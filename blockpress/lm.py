@@ -378,8 +378,10 @@ def _check_forwarded(call: str, own: tuple[str, ...], given: dict[str, Any]) -> 
     """_check_keywords for a method that passes its keywords on to generate or stream (chat, chat_ids, chat_stream,
     infill), so that a refusal names the method called. transformers' keywords are left to generate, which maps them;
     `own`: the method's own parameters, which take the place of generate's prompt."""
+    # (but input_ids, transformers' prompt: the method's own take its place, and generate would say it was given the
+    # prompt twice, naming neither the call made nor what the method takes)
     _check_keywords(call, tuple(dict.fromkeys((*own, *STREAM_OPTIONS))),
-                    {k: v for k, v in given.items() if k not in TRANSFORMERS_KEYWORDS},
+                    {k: v for k, v in given.items() if k not in TRANSFORMERS_KEYWORDS or k == "input_ids"},
                     leave_out=() if "prompt" in own else ("prompt",))
 
 
@@ -404,6 +406,7 @@ OTHER_NAMES_HINTS = {
                             "here (the chat template's own options, enable_thinking among them)",
     "prefix": "infill's --prefix (an --input line's \"prefix\") is lm.infill's prompt= here: the text before the "
               "template",
+    "input_ids": "transformers' input_ids is the prompt, which this call takes as its first argument",
 }
 # transformers' keywords with no exact meaning here: refused, naming the nearest setting and how it differs
 TRANSFORMERS_HINTS = {

@@ -1239,7 +1239,8 @@ class Trainer:
         """`cfg` is applied whole, as `blockpress train` applies it: its dtype casts `lm` (after every refusal), and
         where no `heldout` is given, its heldout_data is read, or its heldout fraction split off `source`'s examples
         (_settings_heldout). `merged_dtype`: LoRA, the dtype of the final checkpoint, the adapters merged in float32
-        (see merge_lora); None: cfg.dtype's, else float32. `data`: where `source` was read from (`blockpress train`:
+        (see merge_lora); None: cfg.dtype's, else float32 (another than cfg.dtype is refused: the settings' dtype is
+        the saved checkpoint's). `data`: where `source` was read from (`blockpress train`:
         --data), saved with the run with the source's size: `resume` warns when a run continues on other data."""
         source, heldout = _settings_heldout(lm, cfg, source, heldout)
         if cfg.heldout_data:  # recorded with the run as --data is, whole: --resume from another folder reads it too

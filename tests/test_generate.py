@@ -1107,6 +1107,12 @@ def test_a_setting_named_as_the_cli_or_the_server_names_it_is_refused_naming_the
         code.chat([{"role": "user", "content": "hi"}], prompt="x")
     with pytest.raises(ValueError, match=r"^prompt: chat_stream takes no such keyword; it takes ids, "):
         code.chat_stream([3, 4], prompt="x")
+    # transformers' input_ids beside the method's own prompt: "generate was given the prompt twice"
+    with pytest.raises(ValueError, match=r"^input_ids: chat takes no such keyword; transformers' input_ids is the "
+                                         r"prompt, which this call takes as its first argument; it takes messages, "):
+        code.chat([{"role": "user", "content": "hi"}], input_ids=[3, 4])
+    with pytest.raises(ValueError, match=r"^input_ids: infill takes no such keyword; .*; it takes template, prompt, "):
+        lm.infill([3, -1], input_ids=[3])
     # transformers' keywords still go on to generate, which maps them; and generate's own word on drafts stands
     out = code.chat([{"role": "user", "content": "hi"}], num_return_sequences=2, max_new_tokens=2, max_denoising_steps=2)
     assert out.new_tokens.shape == (2, 2)
