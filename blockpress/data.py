@@ -199,27 +199,32 @@ def parse_examples(obj: Any, tokenizer: Any, where: str, *, vocab_size: int | No
     return [ex for _, ex in examples]
 
 
-def _kept_response(tokenizer: Any, text: str, context: tuple[int, int, int | None] | None) -> list[int]:
-    """The ids of a prompt/response record's response: whole, or with max_canvases (context[2]) the first
-    max_canvases canvases of them, which are all make_batch lays out. A response far longer is cut before it is
-    tokenized: a 12 MB one kept to 4 canvases took 230 s and 3 GB to tokenize whole, and the hint of the refusal
-    without --max-canvases (a 48 MB response) led there. The text kept holds at least a canvas more tokens than are
-    kept (no token holds more than longest_token characters), and where the tokenizer splits at _PIECE_BOUNDARY
-    (encode_document) it is cut at one a canvas past that at most, so the ids kept are the whole text's; another
-    tokenizer's cut, or one in a stretch without a boundary (base64, minified JSON: encoded whole, it was 1.7 M ids
-    kept of 2 MB), changes at most its last tokens, in the canvas dropped. (A response no longer than that is kept
-    whole, as before: split_heldout hashes the ids kept.)"""
-    if context is None or not context[2]:
-        return tokenizer.encode(text)
-    keep = context[2] * context[0]
-    limit = (keep + context[0]) * tokenizer.longest_token()
-    if len(text) > limit and _splits_at_boundaries(tokenizer):
-        # (within a canvas's characters more: a blob followed by a line far on was encoded up to that line)
-        cut = _PIECE_BOUNDARY.search(text, limit, limit + context[0] * tokenizer.longest_token())
-        limit = cut.start() if cut else limit
-    if len(text) <= limit:
-        return tokenizer.encode(text)
-    return tokenizer.encode(text[:limit])[:keep]
+def _kept_response(tokenizer: Any, text: str, context: tuple[int, int, int | None] | None,
+                   end: int | None = None) -> list[int]:
+    """The ids of a response (a prompt/response record's, or a chat's reply): whole, or with max_canvases
+    (context[2]) the first max_canvases canvases of them, which are all make_batch lays out. A response far longer is
+    cut before it is tokenized: a 12 MB one kept to 4 canvases took 230 s and 3 GB to tokenize whole, and the hint of
+    the refusal without --max-canvases (a 48 MB response) led there. The text kept holds at least a canvas more tokens
+    than are kept (no token holds more than longest_token characters), and where the tokenizer splits at
+    _PIECE_BOUNDARY (encode_document) it is cut at one a canvas past that at most, so the ids kept are the whole text's;
+    another tokenizer's cut, or one in a stretch without a boundary (base64, minified JSON: encoded whole, it was 1.7 M
+    ids kept of 2 MB), changes at most its last tokens, in the canvas dropped. (A response no longer than that is kept
+    whole, as before: split_heldout hashes the ids kept.) `end`: a chat reply's end of turn (turn_end_id): a reply kept
+    whole ends at its last one (_chat_examples says why); in a reply cut it is past the ids kept, as the newline a
+    template writes after it is within the canvas more that the text kept holds, so they are the whole reply's too."""
+    if context is not None and context[2]:
+        keep = context[2] * context[0]
+        limit = (keep + context[0]) * tokenizer.longest_token()
+        if len(text) > limit and _splits_at_boundaries(tokenizer):
+            # (within a canvas's characters more: a blob followed by a line far on was encoded up to that line)
+            cut = _PIECE_BOUNDARY.search(text, limit, limit + context[0] * tokenizer.longest_token())
+            limit = cut.start() if cut else limit
+        if len(text) > limit:
+            return tokenizer.encode(text[:limit])[:keep]
+    ids = tokenizer.encode(text)
+    if end is not None and end in ids:
+        ids = ids[: len(ids) - ids[::-1].index(end)]
+    return ids
 
 
 # the roles chat templates render ("developer": OpenAI's system role, rendered as "system" unless the template has a
@@ -265,12 +270,11 @@ def _chat_examples(messages: Any, tokenizer: Any, where: str, chat_turns: str, c
         if isinstance(content, str) and content_cut(content, reply):
             markers = reasoning_markers(tokenizer.reply_template)
             cut.append((f"{where}: messages[{i}]", markers is not None and markers[0].strip() in content))
-        response = tokenizer.encode(reply)
         # The reply ends at the template's end of turn (Gemma's <end_of_turn>, Gemma 4's <turn|>), then the EOS
         # make_batch adds: what the template writes after it (a newline) is between turns, where generation has
-        # stopped, and the next turn's prompt holds it.
-        if end is not None and end in response:
-            response = response[: len(response) - response[::-1].index(end)]
+        # stopped, and the next turn's prompt holds it. With max_canvases a long reply is cut before it is tokenized,
+        # as a prompt/response record's response is (_kept_response): it was tokenized whole for the canvases kept.
+        response = _kept_response(tokenizer, reply, context, end)
         example = Example(tokenizer.encode(prompt), response, templated=True)
         # now, not once every turn is made: each renders the whole chat before it, so a chat of 600 turns spent 6 s
         # making the turns after the one that could never fit

@@ -586,6 +586,43 @@ def test_a_response_cut_for_max_canvases_keeps_the_whole_texts_ids(tok, response
     assert len(ex.response) >= min(len(whole), canvases * canvas)
 
 
+def test_max_canvases_tokenizes_a_long_chat_reply_as_far_as_it_keeps(tok, monkeypatch):
+    """A chat's reply was tokenized whole under max_canvases, though make_batch lays out its first canvases alone (a
+    prompt/response record's response was cut before it was tokenized already): a reply of megabytes cost what it
+    would without the cut. It is cut as a response is, and the ids kept are the whole reply's."""
+    most = tok.longest_token()
+    encoded = []
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, *a, **k: (encoded.append(len(text)), encode(text, *a, **k))[1])
+    long = "x = 1\n" * 20_000 + "def f(x):\n    return x + 1\n" * 5_000
+    record = {"messages": [{"role": "user", "content": "def f"}, {"role": "assistant", "content": long}]}
+    [ex] = parse_examples(record, tok, "d.jsonl:1", context=(16, 64, 2))
+    assert max(encoded) < (2 * 16 + 16 * 2) * most + 100  # the prompt and a prefix of the reply, never all of it
+    [whole] = parse_examples(record, tok, "d.jsonl:1")
+    assert max(encoded) > len(long) and ex.response == whole.response[: 2 * 16]
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(st.text(alphabet="def x():+1\n ", min_size=1, max_size=30), st.integers(-30, 30), st.integers(1, 3),
+                  st.integers(1, 4))
+def test_a_chat_reply_cut_for_max_canvases_keeps_the_ids_tokenizing_it_whole_kept(tok, text, past, canvases, canvas):
+    """The ids kept of a chat reply cut before it is tokenized (max_canvases), on replies about as long as the cut's
+    limit (`past` it), are those of the reply tokenized whole, ended at its end of turn and cut to max_canvases
+    canvases: the batch is the one it was."""
+    limit = (canvases + 1) * canvas * tok.longest_token()  # (_kept_response's, before it looks for a boundary)
+    reply = (text * limit)[: limit + past]
+    record = {"messages": [{"role": "user", "content": "def"}, {"role": "assistant", "content": reply}]}
+    [whole] = parse_examples(record, tok, "d.jsonl:1")  # tokenized whole, as every reply was
+    [ex] = parse_examples(record, tok, "d.jsonl:1", context=(canvas, 10_000, canvases))
+    assert ex.prompt == whole.prompt
+    assert ex.response == whole.response[: max(len(ex.response), canvases * canvas)]
+    if past > 0:  # past the limit: held cut, as it was not
+        assert len(ex.response) == canvases * canvas
+    a, b = (make_batch([e], canvas, pad_id=0, eos_id=tok.eos_id, max_canvases=canvases) for e in (whole, ex))
+    for field in ("ids", "valid", "scored", "ar_scored"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+
+
 def test_raw_texts_tokenizing_is_reported_and_shown_on_a_terminal_alone(tmp_path, tok, monkeypatch):
     """`train --data` on a folder of raw text tokenized it in silence (the standard library's 162 MB: minutes).
     load_text reports the characters done after each document, and train's bar is drawn on a terminal's stderr
