@@ -2,11 +2,13 @@
 
 import copy
 import dataclasses
+import hashlib
 import itertools
 import json
 import re
 import subprocess
 import sys
+from array import array
 from pathlib import Path
 
 import hypothesis
@@ -76,10 +78,10 @@ def test_jsonl_formats(tmp_path, tok):
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     ex = load_jsonl(path, tok, vocab_size=tok.vocab_size)
     assert len(ex) == 3
-    assert ex[0].prompt[0] == tok.bos_id and ex[0].response == tok.encode(" return x")  # make_batch adds the EOS
+    assert ex[0].prompt[0] == tok.bos_id and list(ex[0].response) == tok.encode(" return x")  # make_batch adds the EOS
     assert tok.decode(ex[1].prompt, skip_special_tokens=False).endswith("<start_of_turn>model\n")
     assert ex[1].response[-1] == tok.token_to_id("<end_of_turn>")
-    assert ex[2] == Example([2, 7], [9, 10])
+    assert ex[2] == Example(array("i", [2, 7]), array("i", [9, 10]))  # held compactly (4 bytes a token)
 
 
 @hypothesis.settings(max_examples=40, deadline=None)
@@ -118,7 +120,7 @@ def test_a_record_both_a_chat_and_a_prompt_response_is_refused_and_metadata_is_n
     with pytest.raises(ValueError, match=r"d.jsonl:1: holds both a chat \('messages'\) and a 'prompt'\+'response'; "
                                          r"which one is this record's text"):
         parse_examples({"prompt": "P", "response": "R", "messages": chat}, tok, "d.jsonl:1")
-    ids = Example([2, 5], [6, 7])
+    ids = Example(array("i", [2, 5]), array("i", [6, 7]))
     for record, examples in (({"prompt": "a", "prompt_id": "x1", "messages": chat}, 1),
                              ({"messages": chat, "prompt": None, "response": None}, 1),
                              ({"messages": None, "prompt": "P", "response": "R"}, 1),
@@ -147,7 +149,7 @@ def test_chat_content_parts_train_as_the_server_reads_them(tok, asked, answer):
     [ex] = parse_examples(as_parts, tok, "d.jsonl:1")
     assert [ex] == parse_examples(as_text, tok, "d.jsonl:1")
     served = Message.model_validate(as_parts["messages"][0]).for_template(0)  # a request's user turn
-    assert tok.apply_chat_template([served], add_generation_prompt=True, tokenize=True) == ex.prompt
+    assert tok.apply_chat_template([served], add_generation_prompt=True, tokenize=True) == list(ex.prompt)
 
 
 def test_a_developer_message_trains_as_the_template_renders_it(tok):
@@ -221,7 +223,7 @@ def test_a_chat_reply_ends_with_the_templates_end_of_turn(template, end):
     rendered = tok.apply_chat_template(CHAT[:2], add_generation_prompt=False)
     assert "FIRST" + (end or "\n") in rendered  # the template's own rendering of the reply
     expected = tok.encode("FIRST") + [tok.token_to_id(end)] if end else tok.encode("assistant: FIRST\n")
-    assert example.response == expected
+    assert list(example.response) == expected
 
 
 def test_every_assistant_turn_of_a_chat_is_an_example(tok):
@@ -229,10 +231,10 @@ def test_every_assistant_turn_of_a_chat_is_an_example(tok):
     training on about 1/N of its assistant text. chat_turns="last" keeps that."""
     end = [tok.token_to_id("<end_of_turn>")]
     first, second = parse_examples({"messages": CHAT}, tok, "d.jsonl:1")
-    assert first.prompt == tok.apply_chat_template(CHAT[:1], add_generation_prompt=True, tokenize=True)
-    assert first.response == tok.encode("FIRST") + end
-    assert second.prompt == tok.apply_chat_template(CHAT[:3], add_generation_prompt=True, tokenize=True)
-    assert second.response == tok.encode("second") + end
+    assert list(first.prompt) == tok.apply_chat_template(CHAT[:1], add_generation_prompt=True, tokenize=True)
+    assert list(first.response) == tok.encode("FIRST") + end
+    assert list(second.prompt) == tok.apply_chat_template(CHAT[:3], add_generation_prompt=True, tokenize=True)
+    assert list(second.response) == tok.encode("second") + end
     assert parse_examples({"messages": CHAT}, tok, "d.jsonl:1", chat_turns="last") == [second]
 
 
@@ -242,7 +244,7 @@ def test_an_assistant_greeting_before_the_user_is_context(tok):
     greeted = [{"role": "assistant", "content": "Hi, how can I help?"}, *CHAT]
     examples = parse_examples({"messages": greeted}, tok, "d.jsonl:1")
     assert [tok.decode(e.response) for e in examples] == ["FIRST", "second"]
-    assert examples[0].prompt == tok.apply_chat_template(greeted[:2], add_generation_prompt=True, tokenize=True)
+    assert list(examples[0].prompt) == tok.apply_chat_template(greeted[:2], add_generation_prompt=True, tokenize=True)
     assert "Hi, how can I help?" in tok.decode(examples[0].prompt)
 
 
@@ -311,6 +313,46 @@ def test_a_chat_is_refused_at_its_first_turn_too_long_without_making_the_later_o
     with pytest.raises(ValueError, match=r"d.jsonl:1: messages\[1\]: prompt and response take"):
         load_jsonl(path, tok, context=(4, 40, None))
     assert 0 < len(calls) <= 3, len(calls)  # the first assistant turn's prompt and reply, not the 19 after it
+
+
+def test_jsonl_examples_are_held_compactly_and_draw_the_batches_they_did(tmp_path, tok):
+    """JSONL examples were held as Python lists of ints once tokenized, some 36 bytes a token (11 MB of memory per MB
+    of JSONL, for the whole run): their ids are an array("i"), 4 bytes a token, and a run holds out the examples and
+    draws the batches (the same seed) it did when they were lists."""
+    from blockpress.train import ExampleSource, StepBatches
+
+    path = tmp_path / "d.jsonl"
+    records = [{"prompt": f"def f{i}(x):", "response": " return x + 1\n" * (i % 5)} for i in range(30)]
+    records += [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "x + 1 " * i},
+                              {"role": "user", "content": "more"}, {"role": "assistant", "content": f"b{i}"}]}
+                for i in range(20)]
+    records += [{"prompt_ids": [2, 7 + i], "response_ids": [9 + i] * i} for i in range(10)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    examples = load_jsonl(path, tok, vocab_size=tok.vocab_size)
+    assert all(isinstance(ids, array) and ids.itemsize == 4 for e in examples for ids in (e.prompt, e.response))
+    lists = [dataclasses.replace(e, prompt=list(e.prompt), response=list(e.response),
+                                 split_key=e.split_key and (list(e.split_key[0]), list(e.split_key[1])))
+             for e in examples]  # as they were held
+
+    def held_out_as_it_was(e: Example) -> bool:  # split_heldout's hash of the lists' JSON
+        text = json.dumps(list(e.split_key) if e.split_key else [e.prompt, e.response])
+        return int(hashlib.sha1(text.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < 0.3
+
+    train, held = split_heldout(examples, 0.3)
+    at = {id(e): i for i, e in enumerate(examples)}
+    assert [at[id(e)] for e in held] == [i for i, e in enumerate(lists) if held_out_as_it_was(e)] != []
+    cfg = TrainConfig(steps=8, batch_size=4, seed=5, max_canvases=3)
+    kept = [lists[at[id(e)]] for e in train]
+    for step in range(cfg.steps):
+        (a, noise_a), (b, noise_b) = (StepBatches(ExampleSource(source, cfg.seed), cfg, canvas_length=4,
+                                                  vocab_size=tok.vocab_size, pad=0, eos=tok.eos_id)[step]
+                                      for source in (train, kept))
+        for x, y in zip(dataclasses.astuple(a) + dataclasses.astuple(noise_a),
+                        dataclasses.astuple(b) + dataclasses.astuple(noise_b)):
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, step
+    # an id no array("i") holds is no token id, and said so (no vocabulary given to refuse it by)
+    with pytest.raises(ValueError, match=r"d.jsonl:1: field 'response_ids': 2147483648 is no token id"):
+        parse_examples({"prompt_ids": [2], "response_ids": [2**31]}, tok, "d.jsonl:1")
 
 
 def test_heldout_split_is_stable():
@@ -445,7 +487,7 @@ def test_data_that_is_neither_jsonl_nor_shards_says_what_was_expected(tmp_path):
 def test_a_byte_order_mark_before_the_first_line_is_read_past(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes("\ufeff".encode() + (json.dumps({"prompt_ids": [2], "response_ids": [3]}) + "\n").encode() * 2)
-    assert [(e.prompt, e.response) for e in load_jsonl(path)] == [([2], [3])] * 2  # was "Unexpected UTF-8 BOM"
+    assert [(list(e.prompt), list(e.response)) for e in load_jsonl(path)] == [([2], [3])] * 2  # was "Unexpected UTF-8 BOM"
 
 
 def test_a_key_given_twice_in_a_record_is_refused_naming_line_and_key(tmp_path, tok):
@@ -555,7 +597,7 @@ def test_max_canvases_tokenizes_a_long_response_as_far_as_it_keeps(tmp_path, tok
     path.write_text(json.dumps({"prompt": "def f", "response": long}) + "\n")
     [ex] = load_jsonl(path, tok, context=(16, 64, 2))
     assert max(encoded) < (2 * 16 + 16) * most + 100  # the prompt and a prefix of the response, never all of it
-    assert ex.response == encode(long)[: 2 * 16]
+    assert list(ex.response) == encode(long)[: 2 * 16]
     # a stretch without a point to cut at (base64, minified JSON) is cut at the limit all the same: it was encoded
     # whole, and kept whole (2 MB of base64: 1.7 M ids, review)
     import base64
@@ -564,14 +606,14 @@ def test_max_canvases_tokenizes_a_long_response_as_far_as_it_keeps(tmp_path, tok
     blob = base64.b64encode(random.Random(0).randbytes(60_000)).decode()
     encoded.clear()
     [ex] = parse_examples({"prompt": "def f", "response": blob}, tok, "d.jsonl:1", context=(16, 64, 2))
-    assert max(encoded) < (2 * 16 + 16) * most + 100 and ex.response == encode(blob)[: 2 * 16]
+    assert max(encoded) < (2 * 16 + 16) * most + 100 and list(ex.response) == encode(blob)[: 2 * 16]
     encoded.clear()  # (and followed by a line far on, where a cut could go: it was encoded up to that line)
     [ex] = parse_examples({"prompt": "def f", "response": blob + "\nend"}, tok, "d.jsonl:1", context=(16, 64, 2))
-    assert max(encoded) < (2 * 16 + 16 * 2) * most + 100 and ex.response == encode(blob)[: 2 * 16]
+    assert max(encoded) < (2 * 16 + 16 * 2) * most + 100 and list(ex.response) == encode(blob)[: 2 * 16]
     # a response that is not that long is kept whole, as without max_canvases
     encoded.clear()
     [short] = parse_examples({"prompt": "def f", "response": "x = 1\n" * 3}, tok, "d.jsonl:1", context=(16, 64, 2))
-    assert short.response == encode("x = 1\n" * 3)
+    assert list(short.response) == encode("x = 1\n" * 3)
 
 
 @hypothesis.settings(max_examples=60, deadline=None)
@@ -582,7 +624,7 @@ def test_a_response_cut_for_max_canvases_keeps_the_whole_texts_ids(tok, response
     [ex] = parse_examples({"prompt": "def", "response": response}, tok, "d.jsonl:1",
                           context=(canvas, 10_000, canvases))
     whole = tok.encode(response)
-    assert ex.response == whole[: max(len(ex.response), canvases * canvas)]
+    assert list(ex.response) == whole[: max(len(ex.response), canvases * canvas)]
     assert len(ex.response) >= min(len(whole), canvases * canvas)
 
 
@@ -1159,8 +1201,8 @@ def test_a_plain_reply_trains_on_the_tokens_it_did_before(tok, replies, template
     examples = parse_examples({"messages": chat}, tok, "d.jsonl:1")
     end = tok.turn_end_id()
     texts = [reply if template == "gemma" else reply.strip() for reply in replies]
-    assert [e.response for e in examples] == [tok.encode(text) + [end] for text in texts]
-    assert [e.prompt for e in examples] == [tok.apply_chat_template(chat[:i], add_generation_prompt=True,
+    assert [list(e.response) for e in examples] == [tok.encode(text) + [end] for text in texts]
+    assert [list(e.prompt) for e in examples] == [tok.apply_chat_template(chat[:i], add_generation_prompt=True,
                                                                     tokenize=True) for i in (1, 3)]
 
 
@@ -1202,7 +1244,7 @@ def test_a_reply_of_tool_calls_trains_on_the_calls_the_server_reads_back(gemma4_
     text = tok.decode(example.response, skip_special_tokens=False)
     head = "<|channel>thought\nWeather, then.<channel|>" if thought else ""
     assert text == f'{head}<|tool_call>call:weather{{city:<|"|>{city}<|"|>,days:{days}}}<tool_call|><turn|>'
-    assert example.response == tok.encode(text)
+    assert list(example.response) == tok.encode(text)
     assert tok.decode(example.prompt, skip_special_tokens=False).endswith("Weather in Oslo?<turn|>\n<|turn>model\n")
     expected = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "weather",
                                                                                       "arguments": arguments}}]}
@@ -1241,8 +1283,8 @@ def test_every_turn_of_an_agent_chat_trains_its_prompt_holding_the_tools_answers
             {"role": "tool", "tool_call_id": "weather", "name": "weather", "content": "sunny"},
             {"role": "assistant", "content": "It is sunny.", "reasoning_content": "Sunny, it says."}]
     calls, answer = parse_examples({"messages": chat}, tok, "d.jsonl:1")
-    assert calls.prompt == tok.apply_chat_template(chat[:1], add_generation_prompt=True, tokenize=True)
-    assert answer.prompt == tok.apply_chat_template(chat[:3], add_generation_prompt=True, tokenize=True)
+    assert list(calls.prompt) == tok.apply_chat_template(chat[:1], add_generation_prompt=True, tokenize=True)
+    assert list(answer.prompt) == tok.apply_chat_template(chat[:3], add_generation_prompt=True, tokenize=True)
     assert tok.decode(answer.prompt, skip_special_tokens=False).endswith(
         '<tool_call|><|tool_response>response:weather{value:<|"|>sunny<|"|>}<tool_response|><|turn>model\n')
     assert tok.parse_response(tok.decode(answer.response, skip_special_tokens=False)) == {
@@ -1555,7 +1597,7 @@ def test_a_thought_the_template_writes_itself_is_trained_on_once(tok):
                               "{% if add_generation_prompt %}<assistant>{% endif %}")
     chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "hmm"}]
     [example] = parse_examples({"messages": chat}, thinking, "d.jsonl:1")
-    assert example.response == thinking.encode("<think>hmm</think>a<end_of_turn>")
+    assert list(example.response) == thinking.encode("<think>hmm</think>a<end_of_turn>")
 
 
 @pytest.mark.parametrize("template, turn, message", [
@@ -1602,7 +1644,7 @@ def test_the_replies_trained_on_are_transformers_assistant_tokens(gemma4_tok, tm
     assert out["input_ids"] == ours.apply_chat_template(chat, add_generation_prompt=False, tokenize=True)
     marked = [[t for t, _ in run] for on, run in itertools.groupby(zip(out["input_ids"], out["assistant_masks"]),
                                                                     key=lambda pair: pair[1]) if on]
-    assert marked == [e.response for e in parse_examples({"messages": chat}, ours, "d.jsonl:1")]
+    assert marked == [list(e.response) for e in parse_examples({"messages": chat}, ours, "d.jsonl:1")]
     assert len(marked) == 2 and "<|tool_call>call:weather" in ours.decode(marked[0], skip_special_tokens=False)
 
 
