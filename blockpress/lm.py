@@ -709,6 +709,20 @@ class _TemplateLayout:
     hole_allowed: dict[tuple[int, int], torch.Tensor] | None = None
 
 
+def _conversation_width(rows: _PromptRows, cache: KVCache | None) -> int:
+    """The prompt's width as max_length counts it: the widest row's tokens, what a continued `cache` holds of its
+    conversation included, as the same rows passed whole without the cache count (their padded width). Not the
+    cache's slots + the new part's width: rows that kept unlike prefixes (lm.chat's batch continued) would count
+    one row's cached tokens and another's new ones, and get fewer new tokens than without the cache."""
+    b = rows.ids.shape[0]
+    own = [rows.ids.shape[1]] * b if rows.mask is None else [int(n) for n in rows.mask.sum(-1)]
+    held = [0] * b
+    if isinstance(cache, KVCache):
+        # a cache of another batch size is refused by _check_context; until then its slots stand for every row
+        held = cache.next_pos.tolist() if cache.batch_size == b else [cache.length] * b
+    return max(h + n for h, n in zip(held, own)) + rows.trimmed
+
+
 def _template_budget(template: Template, budgets: _Budgets, vocab: int) -> tuple[int, ...]:
     """Each row's budget under a template: its own length, as healed (healing moves a space into each hole after
     one). The batch is laid out to its longest row, and each row's budget ends at its own end, as it would alone.
@@ -1219,8 +1233,8 @@ class LM:
 
     def default_new_tokens(self, prompt_length: int, *, room_needed: bool = True) -> int:
         """max_new_tokens for a call that gives none: generation_config.json's `max_new_tokens`, else its
-        `max_length` less the prompt, as in the reference (which counts the prompt's padded width and what a
-        continued cache holds), else 256. `room_needed=False`: 0 where max_length leaves no room (a minimum the call
+        `max_length` less the prompt, as in the reference (which counts the prompt's padded width; continuing a
+        cache, the widest row's conversation, the cache's part included: `_conversation_width`), else 256. `room_needed=False`: 0 where max_length leaves no room (a minimum the call
         gives is the length then), not an error."""
         max_length = self.generation_config.get("max_length")
         if self.generation_config.get("max_new_tokens") is not None or max_length is None:
@@ -1324,7 +1338,7 @@ class LM:
         v = self.config.text.vocab_size
         check_vocab_range(rows.ids, "prompt", v)
         budgets = self._budgets(max_new_tokens, min_new_tokens, min_new_tokens_eos_only, rows.ids.shape[0],
-                                prompt_width=cached + rows.ids.shape[1] + rows.trimmed, templated=template is not None)
+                                prompt_width=_conversation_width(rows, cache), templated=template is not None)
         seed = check_seed(seed, "seed")
         cfg, per_row = self._sampler_config(sampler, sampler_options, rows.ids.shape[0], temperature_name)
         if cfg.argmax_candidates and seed is None:

@@ -610,3 +610,23 @@ def test_infill_continuing_a_cache_asks_for_the_turns_prompt_rather_than_a_bos_m
     continued = lm.infill([[7, -1, -1, 8]], prompt=[[9]], cache=first.cache, **kw)
     assert torch.equal(continued.new_tokens, alone.new_tokens)
     assert lm.infill([[7, -1, -1, 8]], cache=None, **kw).sequences[0, 0].item() == lm.config.text.bos_token_id
+
+
+def test_a_batch_of_conversations_continued_gets_the_max_length_budget_it_gets_without_the_cache():
+    """max_length less the prompt is the default count: continuing a batch whose rows kept unlike prefixes, the
+    prompt counted the cache's slots (the longest row's prefix) + the new part's padded width (the other row's new
+    tokens), so the batch got fewer new tokens with the cache (34) than without it (42). It counts the widest
+    conversation, as the same rows passed whole do; a call's max_length alike."""
+    lm = blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0,
+                                 tokenizer=train_bpe_tokenizer([""], vocab_size=300))
+    lm.generation_config.update(max_new_tokens=None, max_length=60, max_denoising_steps=2)
+    kw = dict(seed=0, sampler="greedy")
+    first = lm.chat_ids([[2, *range(40, 51)], [2, 60, 61]], return_cache=True, max_new_tokens=4, **kw).cache
+    second = [first.tokens[0] + [70, 71], first.tokens[1] + [70, 71] + [72] * 8]  # 18 and 17 tokens
+    assert first.length == 16 and [len(r) for r in second] == [18, 17]
+    for call in ({}, {"max_length": 50}):
+        alone = lm.chat_ids(second, **call, **kw).new_tokens.shape[1]
+        assert alone == call.get("max_length", 60) - 18
+        assert lm.chat_ids(second, cache=copy.deepcopy(first), **call, **kw).new_tokens.shape[1] == alone
+        stream = lm.chat_stream(second, cache=copy.deepcopy(first), **call, **kw)
+        assert [e for e in stream if isinstance(e, blockpress.Done)][0].output.new_tokens.shape[1] == alone
