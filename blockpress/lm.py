@@ -2031,8 +2031,10 @@ class LM:
         it), so the reply is the one the conversation gets without a cache. The cache records the tokens it holds; one extended since by generate or
         stream is refused (truncating it since to a mark taken before is fine). A turn that fails or is interrupted leaves it
         holding that common prefix. out.extra["reused_prompt_tokens"]: each row's tokens that the cache held, so
-        not encoded this turn (out.sequences' prompt is the rest, the part encoded). `kwargs`: generate's."""
+        not encoded this turn (out.sequences' prompt is the rest, the part encoded). `kwargs`: generate's
+        (token_healing=True refused on ids that end with the chat template's turn header, as chat refuses it)."""
         _check_forwarded("chat_ids", ("ids",), kwargs)
+        self._check_chat_healing(ids, kwargs.get("token_healing"))
         copies = _chat_copies(kwargs, cache)
         with _held(cache):
             rows, common = self._chat_start(ids, cache)
@@ -2051,7 +2053,29 @@ class LM:
         included. A stream that is cancelled, fails, or is left before its Done (a Ctrl-C, a `break`) leaves the
         cache holding the conversation before the turn, as chat_ids does. `kwargs`: stream's."""
         _check_forwarded("chat_stream", ("ids",), kwargs)
+        self._check_chat_healing(ids, kwargs.get("token_healing"))  # now, not at the stream's first event
         return _kept_open(self._chat_events(ids, cache, kwargs))
+
+    def _check_chat_healing(self, ids: Any, token_healing: Any) -> None:
+        """chat's refusal of token_healing on a prompt that ends with the chat template's turn header (the template's
+        own, healing would re-sample it), where rendered ids can tell: chat knows from its template_options, chat_ids
+        and chat_stream only see the ids, which a continue_final_message rendering ends with the reply's text (that
+        heals). So a row that ends with a generation prompt of the tokenizer's templates is refused."""
+        check_flag("token_healing", token_healing, none=True)
+        if not token_healing or self.tokenizer is None or self.tokenizer.chat_template is None:
+            return  # (no template: nothing to tell; ids that are no rows are _chat_start's to refuse)
+        if not (isinstance(ids, list) and ids):
+            return
+        batch = isinstance(ids[0], list)
+        templates = self.tokenizer.chat_template
+        headers = [self.tokenizer.generation_prompt_ids(name) for name in
+                   (sorted(templates) if isinstance(templates, dict) else [None])]
+        for r, row in enumerate(ids if batch else [ids]):
+            if isinstance(row, list) and any(h and row[-len(h):] == h for h in headers):
+                raise ValueError(f"token_healing: not with {f'ids[{r}]' if batch else 'ids'}, which end with the chat "
+                                 "template's turn header (the template's own, never healed: as lm.chat refuses it); "
+                                 "a reply continued, rendered with continue_final_message=True, ends with its text, "
+                                 "which heals")
 
     def _chat_events(self, ids: list[int] | list[list[int]], cache: KVCache | None, kwargs: dict[str, Any]) -> Events:
         with _held(cache) as claim:

@@ -206,6 +206,9 @@ class Tokenizer:
                                                    compare=False)  # at most PREFIXES_KEPT
     _developer_places: OrderedDict[str, bool] = field(default_factory=OrderedDict, init=False, repr=False,
                                                       compare=False)  # renders_developer's; at most TEMPLATES_KEPT
+    _generation_prompts: OrderedDict[str, tuple[int, ...]] = field(
+        default_factory=OrderedDict, init=False, repr=False, compare=False
+    )  # generation_prompt_ids'; at most TEMPLATES_KEPT
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy's state (copy.deepcopy, pickle) without the compiled chat templates: jinja's code objects and its
@@ -773,6 +776,25 @@ class Tokenizer:
         after = rendered.rpartition(TURN_END_MARK)[2] if TURN_END_MARK in rendered else ""
         first = self.encode(after)[:1]
         return _keep(self._turn_ends, source, first[0] if first and first[0] in self.special_ids else None)
+
+    def generation_prompt_ids(self, chat_template: str | None = None, tools: Any = None) -> list[int]:
+        """The ids add_generation_prompt=True ends a rendering with (the header of the assistant's turn: Gemma's
+        `<start_of_turn>model\n`), for the template apply_chat_template(chat_template=..., tools=...) renders with;
+        [] where it adds none that tokenizes apart from the conversation. Read off a conversation of one user message
+        rendered both ways, in context (the header's text alone could tokenize otherwise), once per template text; a
+        template that cannot render that conversation adds none that can be told."""
+        source = self._pick_template(chat_template, tools)
+        known = self._generation_prompts.get(source)
+        if known is None:
+            chat = [{"role": "user", "content": "Hi"}]
+            try:  # (as tokenize=True encodes a rendering)
+                without, with_header = (self.encode(str(self.apply_chat_template(
+                    chat, add_generation_prompt=flag, chat_template=source)), add_bos=False) for flag in (False, True))
+            except Exception:  # noqa: BLE001 - any refusal of the template's (raise_exception, a missing field)
+                with_header = without = []
+            known = tuple(with_header[len(without):]) if with_header[: len(without)] == without else ()
+        header: tuple[int, ...] = _keep(self._generation_prompts, source, known)
+        return list(header)
 
     def parse_response(self, text: str, prefix: str = "", tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The message a model's reply holds, read with the tokenizer's response template, as transformers'

@@ -3848,6 +3848,27 @@ def test_a_mark_a_chat_turn_drops_says_the_chat_turn_dropped_it(chat_lm):
         again.cache.truncate(mark)
 
 
+def test_chat_ids_and_chat_stream_refuse_healing_the_turn_header_as_chat_does(chat_lm):
+    """lm.chat refuses token_healing on a prompt that ends with the chat template's turn header (healing it re-samples
+    the header); chat_ids and chat_stream, given the same rendered ids, healed it. They refuse ids that end with the
+    template's generation prompt, by row, and still heal a continue_final_message rendering (which ends with text)."""
+    kw = dict(max_new_tokens=4, max_denoising_steps=2, seeds=[1])
+    messages = [{"role": "user", "content": "hi"}]
+    ids = chat_lm.chat_prompt(messages)  # ... <start_of_turn>model\n
+    with pytest.raises(ValueError, match=r"^token_healing: not with ids, which end with the chat template's turn "
+                                         r"header .* continue_final_message=True"):
+        chat_lm.chat_ids(ids, token_healing=True, **kw)
+    with pytest.raises(ValueError, match=r"^token_healing: not with ids\[1\], which end"):
+        chat_lm.chat_stream([ids[:-1], ids], token_healing=True, **kw)  # (refused at the call, not at next())
+    continued = chat_lm.chat_prompt([*messages, {"role": "assistant", "content": "def f(x): "}],
+                                    continue_final_message=True)
+    healed = chat_lm.generate(continued, token_healing=True, **kw).texts
+    assert chat_lm.chat_ids(continued, token_healing=True, **kw).texts == healed
+    done = [e for e in chat_lm.chat_stream(continued, token_healing=True, **kw) if isinstance(e, blockpress.Done)]
+    assert done[0].output.texts == healed
+    assert chat_lm.chat_ids(ids, token_healing=False, **kw).texts == chat_lm.generate(ids, **kw).texts
+
+
 def test_a_chat_turn_retried_from_a_mark_is_the_turn_without_a_cache(lm):
     """Regenerate: mark after a turn, run the next, truncate(mark), run that next turn again. The cache's known
     tokens go back with it, so the retry reuses exactly what the mark held and answers as a fresh chat does."""

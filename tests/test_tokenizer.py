@@ -609,6 +609,17 @@ def test_the_turn_end_is_the_special_token_a_template_writes_after_a_reply(tok: 
     assert ours.turn_end_id() == (None if turn_end is None else tok.token_to_id(turn_end))
 
 
+def test_the_generation_prompt_is_what_add_generation_prompt_adds(tok: Tokenizer) -> None:
+    """generation_prompt_ids: the turn header add_generation_prompt=True ends a rendering with (what lm.chat_ids
+    refuses to heal), tokenized in context; [] for a template that adds none, or cannot render a user message."""
+    ours = Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], pad_id=0, chat_template=GEMMA_CHAT_TEMPLATE)
+    header = ours.generation_prompt_ids()
+    assert ours.decode(header, skip_special_tokens=False) == "<start_of_turn>model\n"
+    assert ours.apply_chat_template(TWO_TURNS, tokenize=True)[-len(header):] == header
+    assert ours.generation_prompt_ids("{% for m in messages %}{{ m.content }}{% endfor %}") == []
+    assert ours.generation_prompt_ids("{{ raise_exception('no') }}") == []
+
+
 def test_template_texts_kept_compiled_are_bounded(tok: Tokenizer) -> None:
     """Every template text a caller passed stayed compiled for good (16 KB each: a notebook or app writing a date or
     a name into its template, 300 calls, 4.9 MB), and so did the turn-end id of every chat_template set. Now the
