@@ -997,11 +997,15 @@ def _source_size(source: Any) -> str | None:
             else f"{source.shards.tokens} tokens" if isinstance(source, ShardSource) else None)
 
 
-def warn_unused_settings(cfg: TrainConfig, device: torch.device, heldout: Any) -> None:
+def warn_unused_settings(cfg: TrainConfig, device: torch.device, source: Any, heldout: Any) -> None:
     """Say which settings this run cannot apply; each trained exactly as without it, and nothing said so. Warned, not
     refused: a run saved with one (by older code, or on another device) resumes, as does a float16 run resumed with
-    --no-autocast."""
+    --no-autocast, and a few examples whose heldout fraction holds none out train on."""
     unused = []
+    if heldout is None and cfg.heldout and isinstance(source, ExampleSource):  # split, none held out: no eval loss
+        n = len(source.examples)
+        unused.append(f"heldout {cfg.heldout}: holds out none of {n} example{'s' if n != 1 else ''} (each is held "
+                      "out by a hash of its content), so this run has no held-out loss")
     if cfg.autocast_dtype != "auto" and autocast_dtype(cfg, device) is None:
         switch = {"cuda": "--autocast", "cpu": "--cpu-autocast"}.get(device.type)
         unused.append(f"autocast_dtype {cfg.autocast_dtype}: the dtype of a mixed precision this run on {device.type} "
@@ -1028,7 +1032,7 @@ def _settings_heldout(lm: LM, cfg: TrainConfig, source: Any, heldout: Any) -> tu
     if isinstance(source, ExampleSource):
         if cfg.heldout:
             train, held = split_heldout(source.examples, cfg.heldout)
-            # (none held out of a few examples: nothing to evaluate, as `blockpress train` says)
+            # (none held out of a few examples: nothing to evaluate, which warn_unused_settings says)
             return (ExampleSource(train, source.seed), ExampleSource(held, cfg.seed)) if held else (source, None)
         assert cfg.heldout_data is not None
         if not is_examples(cfg.heldout_data):
@@ -1264,7 +1268,7 @@ class Trainer:
             check_lora_rank(lm.model, cfg.lora_rank, lora_modules(cfg.lora_targets))
         _check_data_fits(lm, cfg, source, heldout, data)
         if self.rank == 0:  # (once a run, after its refusals: under torchrun each process would say it)
-            warn_unused_settings(cfg, lm.device, heldout)
+            warn_unused_settings(cfg, lm.device, source, heldout)
         # config.json's attention_dropout, applied as the reference applies it, in train mode: a config of 0.1 must
         # not train without dropout, and without a word. A value outside [0, 1) is refused by name before anything
         # runs.

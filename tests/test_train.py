@@ -1927,3 +1927,18 @@ def test_a_trainer_reads_the_heldout_data_its_settings_name(tmp_path):
     with pytest.raises(ValueError, match="heldout_data .*held.jsonl: JSONL examples"):
         Trainer(tiny_lm(), text, TrainConfig(prompt_min=2, prompt_max=4, heldout_data=str(held)), tmp_path / "bad",
                 progress=False)
+
+
+def test_a_heldout_fraction_that_holds_none_out_is_warned_of_once_a_run(tmp_path):
+    """`blockpress train` warned of a --heldout that holds out none of a few examples (no held-out loss); a Trainer
+    given the same settings split them alike and said nothing. It warns, once a run (not again as it trains)."""
+    cfg = TrainConfig(steps=1, batch_size=2, warmup_steps=0, heldout=0.02)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), cfg, tmp_path / "run", progress=False)
+        assert trainer.heldout is None
+        trainer.train()
+    said = [w for w in caught if "holds out none" in str(w.message)]
+    assert [str(w.message) for w in said] == ["heldout 0.02: holds out none of 4 examples (each is held out by a hash "
+                                              "of its content), so this run has no held-out loss; ignored"]
+    assert said[0].filename == __file__  # the caller's line, as warn_user attributes it

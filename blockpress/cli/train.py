@@ -457,10 +457,7 @@ def _example_sources(args: argparse.Namespace, lm: LM, cfg: TrainConfig, old_rea
             fraction = DEFAULT_HELDOUT
             cfg = dataclasses.replace(cfg, heldout=fraction)  # saved with the run: --resume keeps the split
         examples = _examples(args.data, "--data", lm, cfg, args.quiet)
-        train, held = split_heldout(examples, fraction)
-        if fraction > 0 and not held:
-            print_warning(f"--heldout {fraction}: holds out none of {len(examples)} examples; no held-out "
-                          "loss")
+        train, held = split_heldout(examples, fraction)  # (none held out: the Trainer says so, once a run)
     chats = any(e.templated for e in (*train, *held))
     if last_turns and chats:  # the rest of the run trains on what its start did, and its saved settings say so
         print_warning(f"--resume: the run in {args.out} began before --chat-turns, on each chat's last assistant "
