@@ -461,6 +461,20 @@ def test_cli_refuses_reading_stdin_twice(source, capsys, monkeypatch):
     assert "sudoku: error: standard input can be read once: give - once" in capsys.readouterr().err
 
 
+def test_cli_refuses_a_nine_dash_row_word_saying_how_to_write_an_empty_row(capsys, monkeypatch):
+    """`sudoku -- <9 row words, one of them ---------`: the dashes were skipped as a border and the next puzzle's
+    first row joined in its place. Refused (exit 2, before the model loads), naming the word and an empty row's
+    spellings."""
+    import blockpress.cli.common
+
+    monkeypatch.setattr(blockpress.cli.common, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    p = generate(5, "easy").puzzle
+    rows = [p[r * 9 : r * 9 + 9] for r in range(9)]
+    assert main(["sudoku", "--", *rows[:2], "---------", *rows[3:], *rows]) == 2
+    assert ("sudoku: error: puzzle argument 3: '---------' is a row with no givens or a border line, which a command "
+            "line's words cannot tell apart; write a row with no givens as '.........'") in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("source, said", [(["-"], "stdin line 2"), (["--file", "-"], "--file - line 2"),
                                           (["ARG"], "puzzle argument 1")])
 def test_cli_names_bytes_that_are_not_utf8_as_such(source, said, capsys, monkeypatch):

@@ -755,6 +755,22 @@ def test_command_line_words_that_add_up_to_a_puzzle_are_one():
     assert join_grid_rows(["-", *rows]) == ["-", "\n".join(rows)]
 
 
+def test_a_command_line_word_of_nine_dashes_is_refused_with_how_to_write_an_empty_row():
+    """`blockpress sudoku -- 530070000 ... --------- ...`: the nine-dash word, a row with no givens, was skipped as a
+    border, so the grid took the next puzzle's first row in its place (a wrong puzzle, and the rest short). Words have
+    no place to tell it from a border by (a file's rule), so it is refused, saying how to write an empty row."""
+    a = generate(34, "hard").puzzle
+    rows = [a[r * 9 : r * 9 + 9] for r in range(9)]
+    for word in ("---------", "|---------|"):
+        with pytest.raises(ValueError, match=rf"^puzzle argument 5: '{re.escape(word)}' is a row with no givens or a "
+                                             r"border line, .*write a row with no givens as '\.\.\.\.\.\.\.\.\.', "
+                                             r"'000000000' or '---\|---\|---'"):
+            join_grid_rows([*rows[:4], word, *rows[5:], *rows])
+    empty = a[:36] + "0" * 9 + a[45:]
+    for word in (".........", "000000000", "---|---|---"):  # as the message says
+        assert [parse_puzzle(p) for p in join_grid_rows([*rows[:4], word, *rows[5:], *rows])] == [empty, a]
+
+
 def test_a_board_copied_as_words_with_its_box_lines_is_one_puzzle():
     """`blockpress sudoku -- $(cat board.txt)` of a board as format_board prints it: each '|' word and each
     '------+-------+------' word ended the run of cells and stood as a puzzle of its own, so the 81 cells became 101

@@ -297,7 +297,8 @@ def add_sudoku_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
                                    "search), unless --rules. Default model: blockpress-sudoku. Exit status: 0 "
                                    "when every answer is a valid solution, 1 when any is not, 2 for bad input.")
     p.add_argument("puzzles", nargs="*", help="puzzles, 81 characters each (or words that add up to one: a grid's 9 "
-                   "rows, or its 81 cells one a word, '|' and border words between them skipped); - reads them from standard input (as --file - does; standard "
+                   "rows, or its 81 cells one a word, '|' and border words between them skipped; a row with no givens is "
+                   "'.........', '000000000' or '---|---|---', and '---------', which may be a border, is refused); - reads them from standard input (as --file - does; standard "
                    "input is read once)")
     p.add_argument("--file", default=None,
                    help="a file of puzzles (- for standard input): one per line, or 9-line grids; blank lines, "

@@ -350,10 +350,18 @@ def join_grid_rows(texts: list[str]) -> list[str]:
     600195000 ...`), its 27 boxes' rows (`530 070 000 ...`) or its 81 cells one a word (`5 3 0 0 7 ...`, a grid
     copied with its spaces). Inside a run, words that only draw the grid ('|', '------+-------+------': a board as
     format_board prints it) are skipped. A run that does not reach 81 is left as it is (9 words joined), for
-    parse_puzzle to say how many cells each holds."""
+    parse_puzzle to say how many cells each holds. A word of nine adjacent dashes ('---------') is refused: a row
+    with no givens, or a file's border line, which no place tells apart here (skipped as a border, the next
+    puzzle's first row took that row's place)."""
     out: list[str] = []
     run: list[str] = []
     cells = 0
+    for k, text in enumerate(texts, start=1):
+        if set(text) <= set("-|") and "-" * 9 in text and text.count("-") == 9:  # ('---|---|---' reads as a row)
+            raise ValueError(f"puzzle argument {k}: {text!r} is a row with no givens or a border line, which a "
+                             "command line's words cannot tell apart; write a row with no givens as '.........', "
+                             "'000000000' or '---|---|---', and leave a border out (a --file reads a board "
+                             "drawn with them)")
 
     def close() -> None:
         nonlocal run, cells
