@@ -1708,6 +1708,45 @@ def serve_answering(monkeypatch, send):
     return answers
 
 
+def test_serve_log_level_and_access_log_reach_uvicorn_and_the_servers_own_lines(monkeypatch, capsys):
+    """serve ran uvicorn at a fixed "warning" (its access log never shown), and the server's own lines went to
+    logging's last resort (WARNING and above, whatever the operator wanted): --log-level and --no-access-log set both."""
+    import logging
+
+    import blockpress.cli.serve
+
+    configs = []
+
+    class Server:
+        first_signal = None
+
+        def __init__(self, config):
+            configs.append(config)
+
+        def run(self, sockets):
+            pass
+
+    monkeypatch.setattr(blockpress.cli.serve, "_server_class", lambda: Server)
+    ours, log = logging.getLogger("blockpress"), logging.getLogger("blockpress.serve")
+    saved = ours.level, ours.handlers[:], ours.propagate
+    try:
+        assert main(["serve", "--model", "random-tiny", "--port", "0"]) == 0
+        config = configs.pop()
+        assert config.log_level == "info" and config.access_log is True  # the defaults: vLLM's and uvicorn's
+        log.info("serve: an info line")
+        assert "serve: an info line" in capsys.readouterr().err
+        assert main(["serve", "--model", "random-tiny", "--port", "0", "--log-level", "error", "--no-access-log"]) == 0
+        config = configs.pop()
+        assert config.access_log is False and logging.getLogger("uvicorn.error").level == logging.ERROR
+        log.warning("serve: a warning left out")
+        log.error("serve: an error shown")
+        err = capsys.readouterr().err
+        assert "serve: an error shown" in err and "left out" not in err
+    finally:
+        ours.setLevel(saved[0])
+        ours.handlers[:], ours.propagate = saved[1], saved[2]
+
+
 def test_serve_caps_a_requests_context_with_max_context(monkeypatch, capsys):
     """create_app could cap a request's prompt + max_tokens, but serve had no flag for it: on a model with a 131072-token
     context, one client's max_tokens 100000 ran (and held the engine) for as long as it took."""
@@ -3968,7 +4007,9 @@ def test_serve_stopped_by_ctrl_c_on_a_terminal_says_so_off_its_echo():
     assert status == 130, out
     tail = out.split(b"^C")[-1]
     assert tail.startswith(b"\r\nblockpress: stopping; requests in flight get up to 30 s"), out
-    assert tail.endswith(b"(signal again to stop now)\r\nblockpress serve: interrupted\r\n"), out
+    # (uvicorn's INFO lines of its shutdown between them, at the default --log-level info)
+    assert b"(signal again to stop now)\r\n" in tail and tail.endswith(b"\r\nblockpress serve: interrupted\r\n"), out
+    assert b"\r\n\r\n" not in tail, out  # no blank line
 
 
 SERVE_STOPPED_MID_ENCODE = """

@@ -394,6 +394,13 @@ def add_serve_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
                         "client sends the key it is given in; others get a 401; /health and /metrics stay open), as vLLM's "
                         "--api-key. Default: the BLOCKPRESS_API_KEY environment variable, else no key; prefer the "
                         "variable, since a flag's value shows in the process list")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                   help="the least severe log lines shown, uvicorn's (its startup lines, the access log) and the "
+                        "server's own (a failed batch, a reply the response template cannot read), on stderr (the "
+                        "access log on stdout)")
+    p.add_argument("--no-access-log", action="store_true",
+                   help="leave out uvicorn's access log, a line on stdout per request (shown at --log-level info "
+                        "and debug)")
     add_template_kwargs_arg(p, " of every chat request (a request's own win, name by name)")
     p.set_defaults(func=cmd_serve)
 

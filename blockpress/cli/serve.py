@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import ipaddress
 import math
 import os
@@ -108,7 +109,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if api_key is None and not ipaddress.ip_address(host).is_loopback:
         print_warning(f"no API key, so anyone who reaches {url_host}:{port} can use the model: set "
                       "BLOCKPRESS_API_KEY (or --api-key) to require one")
-    server = _server_class()(uvicorn.Config(app, log_level="warning", http=header_deadline_protocol(),
+    server = _server_class()(uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log,
+                                            log_config=log_config(args.log_level), http=header_deadline_protocol(),
                                             timeout_graceful_shutdown=args.shutdown_timeout))
     try:
         server.run(sockets=[sock])
@@ -123,6 +125,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _end_past_engine(app, 128 + server.first_signal)
         return 128 + server.first_signal
     return 0
+
+
+def log_config(level: str) -> dict:
+    """uvicorn's logging setup with blockpress's own loggers (serve's "blockpress.serve": a failed batch, a reply the
+    response template cannot read) on its handler, at `level` as uvicorn's are: left out, they went to logging's
+    last resort, which shows WARNING and above whatever --log-level said."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    # propagated as well: a root handler an embedding process set up still sees them (the CLI sets none)
+    config["loggers"]["blockpress"] = {"handlers": ["default"], "level": level.upper()}
+    return config
 
 
 def _end_past_engine(app: Any, status: int) -> None:
@@ -158,8 +172,8 @@ def _server_class() -> type:
     from blockpress.stopping import on_signals
 
     class Server(uvicorn.Server):
-        """uvicorn's server, saying what a stop signal does (uvicorn says it at INFO, below our log level: a
-        server finishing a long request would look hung)."""
+        """uvicorn's server, saying what a stop signal does (uvicorn says it at INFO, which --log-level warning
+        or error hides: a server finishing a long request would look hung)."""
 
         signals = 0  # stop signals received
         first_signal: int | None = None  # the first one's number: the exit status is 128 + it
