@@ -2,7 +2,8 @@
 
 Endpoints: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics (Prometheus text).
 With an api_key (serve's --api-key / BLOCKPRESS_API_KEY), every /v1 request must send it as `Authorization:
-Bearer <key>`, else a 401 (RequireKey); /health and /metrics stay open.
+Bearer <key>`, else a 401 (RequireKey); /health and /metrics stay open. Every answer carries its request's
+X-Request-Id (the client's, or one made: RequestId), which the log lines of its failure name.
 
 One worker thread owns the model. Requests wait in a bounded queue (429 when full; a client that left frees its
 place at once). The worker keeps several batches running, each its own stream, and advances them in turn a canvas
@@ -551,6 +552,53 @@ def header(scope: dict, name: bytes) -> str | None:
     return next((v.decode("latin-1") for k, v in scope.get("headers", []) if k.lower() == name), None)
 
 
+# An X-Request-Id taken as the client sent it: visible ASCII, at most 128 characters (one with spaces or control
+# characters, or longer, would be a log line's and a response id's to carry: one is made instead, as for none)
+REQUEST_ID = re.compile(r"[!-~]{1,128}")
+REQUEST_ID_KEY = "blockpress.request_id"  # the scope's key of it, for the handlers
+
+
+def request_id(request: Request) -> str | None:
+    """The request's id (RequestId), None in an app that has not the middleware (a test's Reply)."""
+    return request.scope.get(REQUEST_ID_KEY)
+
+
+class RequestId:
+    """ASGI middleware, outermost: each request's id, the `X-Request-Id` it sent (REQUEST_ID) or one made here, sent
+    back as the `X-Request-Id` header of every answer (a refusal of the checks around the routes, an error, a stream),
+    in a completion's `id` (chatcmpl-<id>, as vLLM's) and in the server's log lines of its failure, so an operator can
+    match a client's complaint to the log. An internal error no handler answered is answered here, a 500 in OpenAI's
+    shape with the id (Starlette's own, outside, has none), its line naming the id before uvicorn's traceback."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = header(scope, b"x-request-id")
+        rid = given if given is not None and REQUEST_ID.fullmatch(given) else uuid.uuid4().hex[:24]
+        scope[REQUEST_ID_KEY] = rid
+        started = False
+
+        async def send_with_id(message: Any) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            log.error("serve: request %s failed on an internal error (its traceback follows)", rid)
+            if not started:
+                response = JSONResponse(error_body(f"internal server error (request {rid})", "server_error", None),
+                                        status_code=500)
+                await response(scope, receive, send_with_id)
+            raise
+
+
 # The body types a page may POST to another origin without a preflight (the fetch standard's CORS-safelisted ones)
 SIMPLE_BODY_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data", "text/plain")
 
@@ -943,6 +991,7 @@ class Job:
     eos_only_minimum: bool = False
     # Runs in a batch of its own: its batch could not allocate its memory (Engine._advance)
     alone: bool = False
+    request_id: str = ""  # its request's (RequestId; Reply sets it), for the log lines of its failure
 
     def key(self) -> tuple:
         """What the jobs of one batch share. Not max_tokens nor min_tokens, nor the candidate draw's temperature,
@@ -975,6 +1024,11 @@ class Job:
 
 
 log = logging.getLogger("blockpress.serve")
+
+
+def request_ids(jobs: Sequence[Job]) -> str:
+    """The requests of `jobs`, for a log line: an operator finds a client's X-Request-Id in it."""
+    return "requests " + ", ".join(dict.fromkeys(job.request_id or "?" for job in jobs))
 
 
 def report(job: Job, error: JobError) -> None:
@@ -1344,7 +1398,7 @@ class Engine:
 
     @staticmethod
     def _failed(jobs: list[Job], exc: Exception) -> None:
-        log.exception("serve: could not start a batch of %d", len(jobs))
+        log.exception("serve: could not start a batch of %d (%s)", len(jobs), request_ids(jobs))
         for job in jobs:
             report(job, JobError(f"the server could not start this request: {exc}"))
 
@@ -1370,7 +1424,7 @@ class Engine:
                     try:
                         finished = self._advance(batch)
                     except Exception as exc:  # a defect of ours outside the batch's advance: as a failed batch's
-                        log.exception("serve: a batch of %d failed", len(batch.jobs))
+                        log.exception("serve: a batch of %d failed (%s)", len(batch.jobs), request_ids(batch.jobs))
                         for job, answered in zip(batch.jobs, batch.answered):
                             if not answered:
                                 report(job, JobError(str(exc)))
@@ -1398,15 +1452,15 @@ class Engine:
             if allocation_failed(exc) and len(batch.jobs) > 1 and not batch.told:
                 # A batch's cache is its rows x its longest row: one request's max_tokens would fail the requests beside
                 # it (each answerable alone). Nothing is told yet: each runs alone, and one that fails alone is told.
-                log.warning("serve: a batch of %d could not allocate its memory (%s); its requests run one by one",
-                            len(batch.jobs), (str(exc).splitlines() or [""])[0])
+                log.warning("serve: a batch of %d (%s) could not allocate its memory (%s); its requests run one "
+                            "by one", len(batch.jobs), request_ids(batch.jobs), (str(exc).splitlines() or [""])[0])
                 for job in batch.jobs:
                     job.alone = True
                 with self.lock:
                     self.waiting[:0] = batch.jobs
                 self._close(batch)
                 return True
-            log.exception("serve: a batch of %d failed", len(batch.jobs))
+            log.exception("serve: a batch of %d failed (%s)", len(batch.jobs), request_ids(batch.jobs))
             for job in batch.jobs:
                 report(job, JobError(str(exc)))
             finished = True
@@ -1421,7 +1475,8 @@ class Engine:
         try:
             batch.close()
         except Exception:
-            log.exception("serve: could not close a finished batch of %d", len(batch.jobs))
+            log.exception("serve: could not close a finished batch of %d (%s)", len(batch.jobs),
+                          request_ids(batch.jobs))
 
     def check(self, job: Job) -> None:
         """Refuse a job the library would refuse (a 400 naming the field), before it is queued: alone, so that a
@@ -1565,12 +1620,16 @@ class Reply:
     plain: Callable[[str], str] | None = None
     read_regions: Callable[[], PartialReader] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    # the request's id (RequestId): the response's id is chatcmpl-<it>, as vLLM's (None: one made)
+    request_id: str | None = None
 
     def __post_init__(self) -> None:
-        self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.request_id = self.request_id or uuid.uuid4().hex[:24]
+        self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.request_id
         first = 0
         for job in self.jobs:  # not queued yet
             job.events, job.choices = self.events, range(first, first + job.copies)
+            job.request_id = self.request_id
             first += job.copies
 
     def tool_message(self, done: JobDone, ids: Sequence[str] = ()) -> dict | None:
@@ -1594,12 +1653,13 @@ class Reply:
         except ValueError as exc:
             start = self.readable_start(done.raw)
             if start is None:
-                log.warning("serve: the response template cannot read a reply (%s), so it is answered as text", exc)
+                log.warning("serve: request %s: the response template cannot read a reply (%s), so it is answered "
+                            "as text", self.request_id, exc)
                 return self.text_answer(done)
             # a call cut by max_tokens, or a malformed one, after calls that closed: those are answered (a stream
             # sent each as it closed), the rest dropped, as parallel_tool_calls false drops a reply's later calls
-            log.warning("serve: the response template cannot read the end of a reply (%s); the calls it closed "
-                        "before are answered, the rest dropped", exc)
+            log.warning("serve: request %s: the response template cannot read the end of a reply (%s); the calls "
+                        "it closed before are answered, the rest dropped", self.request_id, exc)
             parsed = start
         calls = self.calls(parsed.get("tool_calls"), ids)
         if calls is None:  # its first call has a shape OpenAI's calls have not (logged): text, as above
@@ -1762,9 +1822,9 @@ class ToolStream(AnswerStream):
             # a template whose content (or thought) keeps only its last part, written after a call or a thought
             # (no point of a reply rules a later one out), or a malformed call after well-formed ones sent already:
             # what was sent cannot be taken back
-            log.warning("serve: a streamed reply's chunks differ from its whole answer (%d calls, %.80r and thought "
-                        "%.80r sent; the answer has %.80r, thought %.80r and %d calls)", len(self.calls), self.content,
-                        self.reasoning, content, reasoning, len(calls))
+            log.warning("serve: request %s: a streamed reply's chunks differ from its whole answer (%d calls, %.80r "
+                        "and thought %.80r sent; the answer has %.80r, thought %.80r and %d calls)", reply.request_id,
+                        len(self.calls), self.content, self.reasoning, content, reasoning, len(calls))
         deltas += self.new_calls(calls)
         return deltas, called["finish_reason"] if called is not None else done.finish
 
@@ -2328,7 +2388,7 @@ def add_middleware_stack(app: FastAPI, body_bytes: int, api_key: str | None, ori
                          hosts: list[str], engine: Engine) -> None:
     """The app's middleware: the limit on a request's body, the key check (none where `api_key` is None), the
     CORS of `origins` with the refusal of other pages' requests (RequireOrigin), the Host check of `hosts`, and
-    the 503 of a request the shutdown cancels (AnswerStopped, around them all)."""
+    the 503 of a request the shutdown cancels (AnswerStopped, around them), inside the request id (RequestId)."""
     # innermost: the key is checked (RequireKey) before a body is read, and CORS lets a page read the 413
     app.add_middleware(BodyLimit, limit=body_bytes)
     if api_key is not None:  # added first, so that CORS (added after it) wraps it: see RequireKey
@@ -2338,9 +2398,10 @@ def add_middleware_stack(app: FastAPI, body_bytes: int, api_key: str | None, ori
     if origins:  # a browser sends a preflight OPTIONS before a JSON POST from another origin: without this, a 405
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "HEAD", "POST"],
                            allow_headers=["*"],  # (the openai JS client sends its x-stainless-* headers)
-                           expose_headers=["Retry-After"])  # a 429's back-off, for the page to read
+                           expose_headers=["Retry-After", "X-Request-Id"])  # a 429's back-off, for the page to read
     app.add_middleware(RequireHost, hosts=hosts)  # a rebound name is refused before anything else
-    app.add_middleware(AnswerStopped, engine=engine)  # outermost: a request cancelled anywhere in the stack
+    app.add_middleware(AnswerStopped, engine=engine)  # a request cancelled anywhere in the stack
+    app.add_middleware(RequestId)  # outermost: every answer carries the id, a refusal of the checks too
 
 
 def template_messages(state: ServerState, body: ChatRequest) -> list[dict]:
@@ -2433,7 +2494,8 @@ async def chat_reply(state: ServerState, body: ChatRequest, request: Request) ->
             job.keep_special = True
     reply = Reply(jobs, "chat", body.model, len(prompt), parse=readers.parse, read_partial=readers.read_partial,
                   one_call=body.parallel_tool_calls is False, calls_wanted=calls,
-                  plain=lambda raw: lm.tokenizer.decode(lm.tokenizer.encode(raw)), read_regions=readers.read_regions)
+                  plain=lambda raw: lm.tokenizer.decode(lm.tokenizer.encode(raw)), read_regions=readers.read_regions,
+                  request_id=request_id(request))
     return await respond(state.engine, reply, body, request)
 
 
@@ -2459,7 +2521,8 @@ async def completion_reply(state: ServerState, body: CompletionRequest, request:
     # The prompts, a suffix and a template are tokenized in a worker thread (the tokenizer lets go of the GIL):
     # on the event loop a long prompt would hold /health and every stream in flight for the whole encode
     jobs, prompt_tokens = await asyncio.to_thread(completion_batch, state, body, asyncio.get_running_loop())
-    return await respond(state.engine, Reply(jobs, "completion", body.model, prompt_tokens), body, request)
+    return await respond(state.engine, Reply(jobs, "completion", body.model, prompt_tokens,
+                                                   request_id=request_id(request)), body, request)
 
 
 def same_model(asked: str, served: str) -> bool:

@@ -935,6 +935,52 @@ def test_metrics_count_the_work_of_clients_that_left_and_the_requests_not_answer
     assert "# TYPE blockpress_cancelled_total counter" in text and "# TYPE blockpress_failed_total counter" in text
 
 
+def test_every_answer_carries_its_request_id_and_a_failures_log_line_names_it(server, monkeypatch, caplog):
+    """An operator could not match a client's complaint to the server's log: no answer carried an id the log named.
+    Each answer now sends X-Request-Id back (the client's, or one made, which the completion's id ends with), errors
+    and streams included, and the log lines of a failure name it."""
+    import blockpress.serve
+
+    base, body = server[0], {"model": MODEL, "prompt": "x", "max_tokens": 4, "seed": 1}
+    r = httpx.get(base + "/v1/models", headers={"X-Request-Id": "client-42"})
+    assert r.headers["x-request-id"] == "client-42"
+    r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+    made = r.headers["x-request-id"]
+    assert re.fullmatch("[0-9a-f]{24}", made) and r.json()["id"] == "cmpl-" + made
+    r = httpx.post(base + "/v1/chat/completions", headers={"X-Request-Id": "abc"}, timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert r.headers["x-request-id"] == "abc" and r.json()["id"] == "chatcmpl-abc"
+    for r in (httpx.post(base + "/v1/completions", json={**body, "model": "other"}, headers={"X-Request-Id": "e1"}),
+              httpx.get(base + "/v1/nothing", headers={"X-Request-Id": "e1"})):
+        assert r.status_code in (400, 404) and r.headers["x-request-id"] == "e1", r.text
+    with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True},
+                      headers={"X-Request-Id": "s1"}, timeout=60) as s:
+        assert s.headers["x-request-id"] == "s1" and s.headers["content-type"].startswith("text/event-stream")
+        list(s.iter_lines())
+    r = httpx.get(base + "/health", headers={"X-Request-Id": "has space " + "x" * 200})  # not one taken as sent
+    assert re.fullmatch("[0-9a-f]{24}", r.headers["x-request-id"])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the device fell over")
+
+    with caplog.at_level("ERROR", logger="blockpress.serve"):
+        monkeypatch.setattr(server[1].state.server.lm.model, "denoise", broken)
+        r = httpx.post(base + "/v1/completions", json=body, headers={"X-Request-Id": "fails-7"}, timeout=60)
+        assert r.status_code == 500 and r.headers["x-request-id"] == "fails-7"
+        monkeypatch.undo()
+
+        async def bug(*args, **kwargs):
+            raise RuntimeError("a bug in a handler")
+
+        monkeypatch.setattr(blockpress.serve, "completion_reply", bug)  # an error no handler answers
+        r = httpx.post(base + "/v1/completions", json=body, headers={"X-Request-Id": "bug-8"}, timeout=60)
+        assert r.status_code == 500 and r.headers["x-request-id"] == "bug-8"
+        assert r.json()["error"]["type"] == "server_error" and "bug-8" in r.json()["error"]["message"]
+    lines = [record.getMessage() for record in caplog.records]
+    assert any("a batch of 1 failed (requests fails-7)" in line for line in lines), lines
+    assert "serve: request bug-8 failed on an internal error (its traceback follows)" in lines
+
+
 def test_health_and_metrics_count_the_running_rows_and_clients_that_leave_free_them(server):
     """/health and /metrics said how many rows wait (queue_depth), not how many run, so that rows left running for
     nobody could not be seen from outside. running_rows counts the rows of running batches (those that hold a place
@@ -2462,6 +2508,7 @@ def test_the_engine_survives_a_failed_error_report_and_stops_with_the_app():
     class Gone:
         cancelled = __import__("threading").Event()
         alone = False  # (a Job's: see Engine._admit)
+        request_id = "gone-1"  # (a Job's: the engine's log lines name it)
 
         def key(self):
             return ("gone",)
@@ -2493,6 +2540,7 @@ def test_a_job_that_cannot_start_a_batch_gets_an_error_and_the_engine_goes_on():
     class Broken:
         cancelled = threading.Event()
         alone = False
+        request_id = "broken-1"
 
         def key(self):
             raise TypeError("a defect in the job's settings")
