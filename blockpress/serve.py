@@ -2620,7 +2620,10 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
     async def completions(body: CompletionRequest, request: Request):
         return await completion_reply(served(), body, request)
 
-    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "blockpress"}
+    # max_model_len (vLLM's field): the most tokens a prompt and its answer may take, the limit requests are refused
+    # past (build_jobs: the prompt and whole canvases), max_context where given, not the model's positions then
+    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "blockpress",
+                  "max_model_len": state.context}
 
     # HEAD too (uptime probes and load balancers send it to the models route): the GET's status and headers, no
     # body; a route of its own out of the schema, as /health's below

@@ -1520,6 +1520,23 @@ def test_max_context_is_at_most_the_models():
         assert r.status_code == 400 and "exceed the context of 40 tokens" in r.json()["error"]["message"]
 
 
+def test_models_say_the_context_requests_may_take_as_max_model_len():
+    """/v1/models said nothing of the context, so a client could not size its prompts (vLLM's entries carry
+    max_model_len): it is the limit requests are refused past, --max-context where given, else the model's."""
+    from fastapi.testclient import TestClient
+
+    lm = load_model("random-tiny", None, "cpu")
+    for max_context, limit in ((None, lm.config.text.max_position_embeddings), (40, 40)):
+        with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0, max_context=max_context)) as http:
+            listed, one = http.get("/v1/models").json()["data"][0], http.get(f"/v1/models/{MODEL}").json()
+            assert listed["max_model_len"] == one["max_model_len"] == limit, (listed, one)
+            if max_context is not None:  # the limit requests meet
+                r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1] * 24, "max_tokens": 16})
+                assert r.status_code == 200, r.text
+                r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1] * 25, "max_tokens": 16})
+                assert r.status_code == 400 and "exceed the context of 40 tokens" in r.text, r.text
+
+
 def test_a_request_without_max_tokens_near_the_context_gets_what_fits():
     """A request that sends no max_tokens gets the model's default cut to the whole canvases the context has left,
     as vLLM gives what fits and `blockpress chat` shortens its reply: a 20-token prompt under a 40-token context (one

@@ -358,7 +358,8 @@ def add_serve_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
     p.add_argument("--max-context", type=int, default=None, metavar="TOKENS",
                    help="the most tokens a request's prompt and max_tokens may take together (the answer in whole "
                         "canvases); a longer request gets a 400 naming max_tokens or the prompt and this limit (vLLM's "
-                        "--max-model-len; default: the model's context, max_position_embeddings)")
+                        "--max-model-len; default: the model's context, max_position_embeddings); /v1/models gives it as "
+                        "max_model_len")
     p.add_argument("--max-body-bytes", type=int, default=None, metavar="BYTES",
                    help="the largest request body taken; a larger one gets a 413, none of it kept (from its "
                         "Content-Length, or as soon as a chunked body passes it; the rest, up to 64 MiB, is read and "
