@@ -541,7 +541,8 @@ class RequireKey:
             return await self.app(scope, receive, send)
         message = ("incorrect API key provided" if given else
                    "no API key provided: send it as the header `Authorization: Bearer <key>` (the openai client's "
-                   "api_key)") + "; this server requires the key it was started with (--api-key or BLOCKPRESS_API_KEY)"
+                   "api_key)") + ("; this server requires the key it was started with (--api-key, --api-key-file or "
+                                  "BLOCKPRESS_API_KEY)")
         response = JSONResponse(error_body(message, "invalid_request_error", None, "invalid_api_key"),
                                 status_code=401, headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)

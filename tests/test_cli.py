@@ -1819,6 +1819,37 @@ def test_serve_names_the_variable_a_bad_api_key_came_from(monkeypatch, capsys):
     assert "error: --api-key: expected" in capsys.readouterr().err
 
 
+def test_serve_reads_the_api_key_from_a_file_named_by_api_key_file(monkeypatch, capsys, tmp_path):
+    """The key could come only from --api-key, which the process list shows, or the variable: --api-key-file reads
+    it from a file (a mounted secret), less its trailing newline, and a file that gives no key is refused by name."""
+    import blockpress.cli.serve
+
+    monkeypatch.delenv("BLOCKPRESS_API_KEY", raising=False)
+    answers = serve_answering(monkeypatch, lambda http: [http.get("/v1/models", headers=h).status_code for h in (
+        {}, {"Authorization": "Bearer nope"}, {"Authorization": "Bearer s3cret-key"})])
+    key = tmp_path / "key"
+    key.write_text("s3cret-key\n")
+    assert main(["serve", "--model", "random-tiny", "--port", "0", "--api-key-file", str(key)]) == 0
+    assert answers.pop() == [401, 401, 200]
+    err = capsys.readouterr().err
+    assert "requests to /v1 need the API key" in err and "s3cret-key" not in err
+    monkeypatch.setattr(blockpress.cli.serve, "load_announced", lambda *a, **k: pytest.fail("loaded before the check"))
+    (tmp_path / "empty").write_text("\n")
+    (tmp_path / "spaced").write_text(" s3cret \n")
+    (tmp_path / "binary").write_bytes(b"\xff\xfe")
+    for args, says in (
+            ([str(tmp_path / "missing")], f"--api-key-file {tmp_path / 'missing'}: cannot read the key from it (No such "
+                                          "file or directory)"),
+            ([str(tmp_path)], f"--api-key-file {tmp_path}: cannot read the key from it (is a folder)"),
+            ([str(tmp_path / "binary")], "cannot read the key from it (not UTF-8 text)"),
+            ([str(tmp_path / "empty")], f"--api-key-file {tmp_path / 'empty'}: the file is empty; expected the key"),
+            ([str(tmp_path / "spaced")], "--api-key-file: expected a non-empty key of printable ASCII"),
+            ([str(key), "--api-key", "other"], "--api-key-file: not together with --api-key")):
+        assert main(["serve", "--port", "0", "--api-key-file", *args]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "s3cret" not in err, err
+
+
 def test_serve_stops_on_sigterm_while_its_model_loads(monkeypatch, capsys):
     """serve loads its model (and warms up under --compile) before uvicorn takes the stop signals: a SIGTERM there
     killed it by the default action, without a word, where a Ctrl-C said "interrupted" and every other command says

@@ -394,7 +394,10 @@ def add_serve_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
                    help="require this key of every request to /v1 (`Authorization: Bearer KEY`, the header the openai "
                         "client sends the key it is given in; others get a 401; /health and /metrics stay open), as vLLM's "
                         "--api-key. Default: the BLOCKPRESS_API_KEY environment variable, else no key; prefer the "
-                        "variable, since a flag's value shows in the process list")
+                        "variable or --api-key-file, since a flag's value shows in the process list")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="--api-key's key read from this file (one trailing newline left out), so it stays out of the "
+                        "process list: a mounted secret, a file only the server's user can read; not with --api-key")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="the least severe log lines shown, uvicorn's (its startup lines, the access log) and the "
                         "server's own (a failed batch, a reply the response template cannot read), on stderr (the "

@@ -72,9 +72,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"{flag}: not valid UTF-8 ({problem}), which clients cannot send as a model id; "
                          "give the id they send with --served-name")
     check_hosts(args.allowed_hosts or ())
-    # the flag, else the variable (an empty one is unset, as vLLM reads VLLM_API_KEY); never printed. A bad one is
-    # named as where it came from: the variable's trailing newline (a secret file's) is no --api-key's fault
-    if args.api_key is not None:
+    # the flag (or the file), else the variable (an empty one is unset, as vLLM reads VLLM_API_KEY); never printed. A
+    # bad one is named as where it came from: the variable's trailing newline (a secret file's) is no --api-key's fault
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("--api-key-file: not together with --api-key; give the key one way (the file keeps it out of "
+                         "the process list)")
+    if args.api_key_file is not None:
+        api_key = check_api_key(read_key_file(args.api_key_file), "--api-key-file")
+    elif args.api_key is not None:
         api_key = check_api_key(args.api_key)
     else:
         api_key = check_api_key(os.environ.get("BLOCKPRESS_API_KEY") or None, "BLOCKPRESS_API_KEY")
@@ -108,7 +113,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"blockpress serving {name!r} on http://{url_host}:{port}/v1{access}", file=sys.stderr)
     if api_key is None and not ipaddress.ip_address(host).is_loopback:
         print_warning(f"no API key, so anyone who reaches {url_host}:{port} can use the model: set "
-                      "BLOCKPRESS_API_KEY (or --api-key) to require one")
+                      "BLOCKPRESS_API_KEY (or --api-key-file) to require one")
     server = _server_class()(uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log,
                                             log_config=log_config(args.log_level), http=header_deadline_protocol(),
                                             timeout_graceful_shutdown=args.shutdown_timeout))
@@ -125,6 +130,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _end_past_engine(app, 128 + server.first_signal)
         return 128 + server.first_signal
     return 0
+
+
+MAX_KEY_FILE = 4096  # bytes
+
+
+def read_key_file(path: str) -> str:
+    """--api-key-file's key: the file's text less one trailing newline (as `echo KEY > file` and a secret manager's
+    mount write it), or an error naming the flag and the file. Read up to a bound: a key is short, and a path such
+    as /dev/zero would never end."""
+    try:
+        with open(os.path.expanduser(path), "rb") as file:  # (Path.expanduser raises with no home known)
+            data = file.read(MAX_KEY_FILE + 1)
+        text = data.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:  # a folder, a missing or unreadable file, bytes that are no text
+        why = ("is a folder" if os.path.isdir(os.path.expanduser(path)) else
+               exc.strerror or str(exc) if isinstance(exc, OSError) else "not UTF-8 text")
+        raise ValueError(f"--api-key-file {path}: cannot read the key from it ({why})") from None
+    if len(data) > MAX_KEY_FILE:
+        raise ValueError(f"--api-key-file {path}: more than {MAX_KEY_FILE} bytes, not a key file")
+    key = text.removesuffix("\n").removesuffix("\r")
+    if not key:
+        raise ValueError(f"--api-key-file {path}: the file is empty; expected the key, on a line of its own")
+    return key
 
 
 def log_config(level: str) -> dict:
