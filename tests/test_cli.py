@@ -1747,6 +1747,43 @@ def test_serve_log_level_and_access_log_reach_uvicorn_and_the_servers_own_lines(
         ours.handlers[:], ours.propagate = saved[1], saved[2]
 
 
+def test_serve_behind_a_proxy_that_strips_root_path_answers_and_writes_its_urls_with_it(monkeypatch, capsys):
+    """serve had no --root-path: behind a proxy that serves it at /llm (and strips it), /docs fetched /openapi.json,
+    outside the proxy's prefix. The routes answer as without it, and the URLs the server writes carry it."""
+    import threading
+
+    import httpx
+    import uvicorn
+
+    import blockpress.cli.serve
+
+    answers = []
+
+    class Server(uvicorn.Server):  # uvicorn itself, with serve's config, asked once it is up
+        first_signal = None
+
+        def run(self, sockets=None):
+            thread = threading.Thread(target=super().run, kwargs={"sockets": sockets}, daemon=True)
+            thread.start()
+            while not self.started and thread.is_alive():
+                time.sleep(0.05)
+            base = "http://{}:{}".format(*sockets[0].getsockname()[:2])
+            answers.append([httpx.get(base + path, timeout=30) for path in ("/v1/models", "/docs", "/openapi.json")])
+            self.should_exit = True
+            thread.join(30)
+
+    monkeypatch.setattr(blockpress.cli.serve, "_server_class", lambda: Server)
+    assert main(["serve", "--model", "random-tiny", "--port", "0", "--root-path", "/llm", "--log-level", "error"]) == 0
+    models, docs, schema = answers.pop()
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "random-tiny"
+    assert "url: '/llm/openapi.json'" in docs.text and schema.json()["servers"] == [{"url": "/llm"}]
+    monkeypatch.setattr(blockpress.cli.serve, "load_announced", lambda *a, **k: pytest.fail("loaded before the check"))
+    for bad in ("llm", "/llm/", "/", "/a b"):
+        assert main(["serve", "--port", "0", "--root-path", bad]) == 2
+        assert f"--root-path: expected the path prefix the proxy strips, such as /llm (starting with /, no trailing " \
+               f"slash), got {bad!r}" in capsys.readouterr().err
+
+
 def test_serve_caps_a_requests_context_with_max_context(monkeypatch, capsys):
     """create_app could cap a request's prompt + max_tokens, but serve had no flag for it: on a model with a 131072-token
     context, one client's max_tokens 100000 ran (and held the engine) for as long as it took."""

@@ -398,6 +398,10 @@ def add_serve_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
     p.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="--api-key's key read from this file (one trailing newline left out), so it stays out of the "
                         "process list: a mounted secret, a file only the server's user can read; not with --api-key")
+    p.add_argument("--root-path", default=None, metavar="PREFIX",
+                   help="the path prefix a reverse proxy in front strips (it serves the API at PREFIX/v1 and sends "
+                        "/v1 on): the routes answer as without it, and the URLs the server writes (/docs' "
+                        "openapi.json) carry it; uvicorn's --root-path")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="the least severe log lines shown, uvicorn's (its startup lines, the access log) and the "
                         "server's own (a failed batch, a reply the response template cannot read), on stderr (the "

@@ -9,6 +9,7 @@ import copy
 import ipaddress
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Generator
@@ -51,6 +52,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          "flag out to serve the model's own name")
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout: expected seconds >= 0, got {args.shutdown_timeout}")
+    # uvicorn's root_path: a prefix the routes' URLs (/docs' openapi.json) are written with, never one they match
+    # (a trailing slash would write //v1; a prefix without its / is not a path at all)
+    if args.root_path and not re.fullmatch(r"(/[^/\s?#]+)+", args.root_path):
+        raise ValueError(f"--root-path: expected the path prefix the proxy strips, such as /llm (starting with /, no "
+                         f"trailing slash), got {args.root_path!r}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port: expected 0-65535 (0: any free port), got {args.port}")
     import uvicorn
@@ -115,7 +121,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print_warning(f"no API key, so anyone who reaches {url_host}:{port} can use the model: set "
                       "BLOCKPRESS_API_KEY (or --api-key-file) to require one")
     server = _server_class()(uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log,
-                                            log_config=log_config(args.log_level), http=header_deadline_protocol(),
+                                            log_config=log_config(args.log_level), root_path=args.root_path or "",
+                                            http=header_deadline_protocol(),
                                             timeout_graceful_shutdown=args.shutdown_timeout))
     try:
         server.run(sockets=[sock])
