@@ -559,6 +559,11 @@ REQUEST_ID = re.compile(r"[!-~]{1,128}")
 REQUEST_ID_KEY = "blockpress.request_id"  # the scope's key of it, for the handlers
 
 
+def new_request_id() -> str:
+    """An id for a request that sent none (24 hex digits, as OpenAI's and vLLM's completion ids)."""
+    return uuid.uuid4().hex[:24]
+
+
 def request_id(request: Request) -> str | None:
     """The request's id (RequestId), None in an app that has not the middleware (a test's Reply)."""
     return request.scope.get(REQUEST_ID_KEY)
@@ -578,7 +583,7 @@ class RequestId:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         given = header(scope, b"x-request-id")
-        rid = given if given is not None and REQUEST_ID.fullmatch(given) else uuid.uuid4().hex[:24]
+        rid = given if given is not None and REQUEST_ID.fullmatch(given) else new_request_id()
         scope[REQUEST_ID_KEY] = rid
         started = False
 
@@ -1625,7 +1630,7 @@ class Reply:
     request_id: str | None = None
 
     def __post_init__(self) -> None:
-        self.request_id = self.request_id or uuid.uuid4().hex[:24]
+        self.request_id = self.request_id or new_request_id()
         self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.request_id
         first = 0
         for job in self.jobs:  # not queued yet

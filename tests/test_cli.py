@@ -1722,6 +1722,7 @@ def test_serve_log_level_and_access_log_reach_uvicorn_and_the_servers_own_lines(
     import blockpress.cli.serve
 
     configs = []
+    log = logging.getLogger("blockpress.serve")
 
     class Server:
         first_signal = None
@@ -1729,28 +1730,23 @@ def test_serve_log_level_and_access_log_reach_uvicorn_and_the_servers_own_lines(
         def __init__(self, config):
             configs.append(config)
 
-        def run(self, sockets):
-            pass
+        def run(self, sockets):  # the server's own lines, while it runs
+            log.info("serve: an info line")
+            log.warning("serve: a warning line")
+            log.error("serve: an error line")
 
     monkeypatch.setattr(blockpress.cli.serve, "_server_class", lambda: Server)
-    ours, log = logging.getLogger("blockpress"), logging.getLogger("blockpress.serve")
-    saved = ours.level, ours.handlers[:], ours.propagate
-    try:
-        assert main(["serve", "--model", "random-tiny", "--port", "0"]) == 0
-        config = configs.pop()
-        assert config.log_level == "info" and config.access_log is True  # the defaults: vLLM's and uvicorn's
-        log.info("serve: an info line")
-        assert "serve: an info line" in capsys.readouterr().err
-        assert main(["serve", "--model", "random-tiny", "--port", "0", "--log-level", "error", "--no-access-log"]) == 0
-        config = configs.pop()
-        assert config.access_log is False and logging.getLogger("uvicorn.error").level == logging.ERROR
-        log.warning("serve: a warning left out")
-        log.error("serve: an error shown")
-        err = capsys.readouterr().err
-        assert "serve: an error shown" in err and "left out" not in err
-    finally:
-        ours.setLevel(saved[0])
-        ours.handlers[:], ours.propagate = saved[1], saved[2]
+    assert main(["serve", "--model", "random-tiny", "--port", "0"]) == 0
+    config = configs.pop()
+    assert config.log_level == "info" and config.access_log is True  # the defaults: vLLM's and uvicorn's
+    err = capsys.readouterr().err
+    assert all(f"serve: an {word} line" in err or f"serve: a {word} line" in err for word in ("info", "warning", "error"))
+    assert main(["serve", "--model", "random-tiny", "--port", "0", "--log-level", "error", "--no-access-log"]) == 0
+    config = configs.pop()
+    assert config.access_log is False and logging.getLogger("uvicorn.error").level == logging.ERROR
+    err = capsys.readouterr().err
+    assert "serve: an error line" in err and "info line" not in err and "warning line" not in err
+    logging.getLogger("uvicorn.error").setLevel(logging.INFO)  # (uvicorn's own loggers, as the next serve sets them)
 
 
 def test_serve_behind_a_proxy_that_strips_root_path_answers_and_writes_its_urls_with_it(monkeypatch, capsys):
@@ -1788,6 +1784,55 @@ def test_serve_behind_a_proxy_that_strips_root_path_answers_and_writes_its_urls_
         assert main(["serve", "--port", "0", "--root-path", bad]) == 2
         assert f"--root-path: expected the path prefix the proxy strips, such as /llm (starting with /, no trailing " \
                f"slash), got {bad!r}" in capsys.readouterr().err
+    # uvicorn writes the prefix into every request as ASCII: one past it passed the check, then dropped every request
+    assert main(["serve", "--port", "0", "--root-path", "/modèle"]) == 2
+    assert "--root-path: '/modèle' is not ASCII; give the prefix as the proxy sends it, percent-encoded " \
+           "(/mod%C3%A8le for /modèle)" in capsys.readouterr().err
+
+
+def test_serve_logs_to_a_stream_nothing_reads_without_a_traceback_a_line_and_leaves_its_loggers_as_they_were(
+        monkeypatch, capsys):
+    """The access log is on stdout: where nothing read it any more (`serve | tee log` after tee is gone), each request
+    printed logging's ~90-line 'Logging error' traceback to stderr. And main(["serve"]) in a process that goes on left
+    the "blockpress" loggers writing to its stream since closed ('I/O operation on closed file' at the next line)."""
+    import logging
+
+    import blockpress.cli.serve
+    from blockpress.cli.serve import log_config
+
+    read, write = os.pipe()
+    os.close(read)  # the reader gone: a write is EPIPE (Python ignores SIGPIPE), BrokenPipeError
+    config = log_config("info")
+    dead = open(write, "w")
+    try:
+        for name in ("default", "access"):
+            spec = dict(config["handlers"][name])
+            module, _, cls = spec.pop("class").rpartition(".")
+            handler = getattr(__import__(module, fromlist=[cls]), cls)(dead)
+            handler.emit(logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, "GET /health", None, None))
+    finally:
+        with contextlib.suppress(OSError):
+            dead.close()
+    assert "Logging error" not in capsys.readouterr().err
+
+    class Server:
+        first_signal = None
+
+        def __init__(self, config):
+            pass
+
+        def run(self, sockets):
+            pass
+
+    monkeypatch.setattr(blockpress.cli.serve, "_server_class", lambda: Server)
+    ours = logging.getLogger("blockpress")
+    before = ours.handlers[:], ours.level, ours.propagate
+    try:  # (uvicorn.Config sets its logging up, log_config's, as it is made)
+        assert main(["serve", "--model", "random-tiny", "--port", "0"]) == 0
+    finally:
+        after = ours.handlers[:], ours.level, ours.propagate
+        ours.handlers[:], ours.level, ours.propagate = before
+    assert after == before
 
 
 def test_serve_caps_a_requests_context_with_max_context(monkeypatch, capsys):

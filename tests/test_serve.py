@@ -1535,6 +1535,12 @@ def test_models_say_the_context_requests_may_take_as_max_model_len():
                 assert r.status_code == 200, r.text
                 r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1] * 25, "max_tokens": 16})
                 assert r.status_code == 400 and "exceed the context of 40 tokens" in r.text, r.text
+                # max_tokens counts in whole canvases (docs/serving.md): 25 + 15 is refused, 25 + 15 rounded down
+                # to none... a whole canvas fits only with a 24-token prompt
+                r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1] * 25, "max_tokens": 15})
+                assert r.status_code == 400 and "exceed the context of 40 tokens" in r.text, r.text
+                r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1] * 20, "max_tokens": 5})
+                assert r.status_code == 200, r.text
 
 
 def test_a_request_without_max_tokens_near_the_context_gets_what_fits():

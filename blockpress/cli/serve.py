@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import copy
 import ipaddress
+import logging
 import math
 import os
 import re
@@ -57,6 +58,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.root_path and not re.fullmatch(r"(/[^/\s?#]+)+", args.root_path):
         raise ValueError(f"--root-path: expected the path prefix the proxy strips, such as /llm (starting with /, no "
                          f"trailing slash), got {args.root_path!r}")
+    if args.root_path and not args.root_path.isascii():
+        # uvicorn writes it into every request's scope as ASCII: each request, /health's too, was dropped
+        raise ValueError(f"--root-path: {args.root_path!r} is not ASCII; give the prefix as the proxy sends it, "
+                         "percent-encoded (/mod%C3%A8le for /modèle)")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port: expected 0-65535 (0: any free port), got {args.port}")
     import uvicorn
@@ -120,23 +125,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if api_key is None and not ipaddress.ip_address(host).is_loopback:
         print_warning(f"no API key, so anyone who reaches {url_host}:{port} can use the model: set "
                       "BLOCKPRESS_API_KEY (or --api-key-file) to require one")
-    server = _server_class()(uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log,
-                                            log_config=log_config(args.log_level), root_path=args.root_path or "",
-                                            http=header_deadline_protocol(),
-                                            timeout_graceful_shutdown=args.shutdown_timeout))
-    try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt as exc:  # uvicorn raises the Ctrl-C again once shut down: the last line, said as the
-        # stop's, on the line after "stopping" (run_command's would go off a "^C" long gone: a blank line between)
-        say(f"blockpress serve: {stop_word(exc)}")
-        _end_past_engine(app, stop_status(exc))
-        return stop_status(exc)
-    if server.first_signal is not None:
-        # Stopped by a signal that uvicorn's raise once shut down did not end: a SIGTERM left at its default action
-        # is ignored by a container's PID 1 (`docker stop` with no --init). Its status, as anywhere else.
-        _end_past_engine(app, 128 + server.first_signal)
-        return 128 + server.first_signal
-    return 0
+    # (its loggers set up as uvicorn's for the run, then as they were: log_config)
+    with _own_loggers_restored():
+        server = _server_class()(uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log,
+                                                log_config=log_config(args.log_level), root_path=args.root_path or "",
+                                                http=header_deadline_protocol(),
+                                                timeout_graceful_shutdown=args.shutdown_timeout))
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt as exc:  # uvicorn raises the Ctrl-C again once shut down: the last line, said as the
+            # stop's, on the line after "stopping" (run_command's would go off a "^C" long gone: a blank line between)
+            say(f"blockpress serve: {stop_word(exc)}")
+            _end_past_engine(app, stop_status(exc))
+            return stop_status(exc)
+        if server.first_signal is not None:
+            # Stopped by a signal that uvicorn's raise once shut down did not end: a SIGTERM left at its default action
+            # is ignored by a container's PID 1 (`docker stop` with no --init). Its status, as anywhere else.
+            _end_past_engine(app, 128 + server.first_signal)
+            return 128 + server.first_signal
+        return 0
 
 
 MAX_KEY_FILE = 4096  # bytes
@@ -146,6 +153,8 @@ def read_key_file(path: str) -> str:
     """--api-key-file's key: the file's text less one trailing newline (as `echo KEY > file` and a secret manager's
     mount write it), or an error naming the flag and the file. Read up to a bound: a key is short, and a path such
     as /dev/zero would never end."""
+    if not path:
+        raise ValueError("--api-key-file: expected the path of a file holding the key, got ''")
     try:
         with open(os.path.expanduser(path), "rb") as file:  # (Path.expanduser raises with no home known)
             data = file.read(MAX_KEY_FILE + 1)
@@ -171,7 +180,33 @@ def log_config(level: str) -> dict:
     config = copy.deepcopy(LOGGING_CONFIG)
     # propagated as well: a root handler an embedding process set up still sees them (the CLI sets none)
     config["loggers"]["blockpress"] = {"handlers": ["default"], "level": level.upper()}
+    for handler in config["handlers"].values():
+        handler["class"] = f"{__name__}.{DeadStreamHandler.__name__}"
     return config
+
+
+class DeadStreamHandler(logging.StreamHandler):
+    """A log handler that drops a line its stream can no longer take: the access log goes to stdout, and where
+    nothing reads it any more (`blockpress serve | tee log` after tee is gone) every request printed logging's
+    ~90-line 'Logging error' traceback to stderr, while the server answered on."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)) or getattr(self.stream, "closed", False):
+            return
+        super().handleError(record)
+
+
+@contextlib.contextmanager
+def _own_loggers_restored() -> Generator[None, None, None]:
+    """Serve's logging setup of the "blockpress" loggers (log_config) undone once it ends: `main(["serve", ...])`
+    run in a process that goes on (a test, a notebook) left them writing to a stream since closed, so its next
+    warning printed 'I/O operation on closed file'."""
+    logger = logging.getLogger("blockpress")
+    saved = (logger.handlers[:], logger.level, logger.propagate, logger.disabled)
+    try:
+        yield
+    finally:
+        logger.handlers[:], logger.level, logger.propagate, logger.disabled = saved
 
 
 def _end_past_engine(app: Any, status: int) -> None:
