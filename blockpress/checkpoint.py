@@ -599,12 +599,18 @@ def native_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 
 def cpu_computes_natively(dtype: torch.dtype) -> bool:
-    """Does this CPU have matmul instructions for `dtype` (oneDNN's check: AVX512-BF16 / AVX512-FP16 / AMX)?"""
+    """Does this CPU have matmul instructions for `dtype` (oneDNN's check: AVX512-BF16 / AVX512-FP16 / AMX)? False
+    for half precision where torch is built without oneDNN (PyTorch's macOS arm64 wheels: USE_MKLDNN=OFF), which
+    has no check to ask; float32 is the dtype known to run at full speed there."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return True
+    # torch registers mkldnn::_is_mkldnn_bf16_supported only in builds with oneDNN: asked without it, the op lookup
+    # raised AttributeError, and every CPU load of the shipped (bf16) models ended in that traceback on such a Mac
+    if not torch.backends.mkldnn.is_available():
+        return False
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    if dtype == torch.float16:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    return True
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
 
 def hf_hub_cache() -> Path:

@@ -1428,6 +1428,35 @@ def test_half_precision_loads_as_float32_where_the_cpu_only_emulates_it(ref_chec
     assert load_quiet(tmp_path / "m", dtype="bfloat16").dtype == torch.bfloat16  # an explicit dtype wins
 
 
+class _NoOneDNNOps:
+    """torch.ops.mkldnn in a torch built without oneDNN: its ops are not registered, and asking for one raises the
+    AttributeError torch._ops._OpNamespace raises for an unknown op."""
+
+    def __getattr__(self, name):
+        raise AttributeError(f"'_OpNamespace' 'mkldnn' object has no attribute '{name}'")
+
+
+def test_a_torch_without_onednn_loads_half_precision_as_float32(ref_checkpoint, tmp_path, monkeypatch):
+    """PyTorch's macOS arm64 wheels are built without oneDNN (USE_MKLDNN=OFF), which registers
+    mkldnn::_is_mkldnn_bf16_supported: the check raised AttributeError, so every CPU load of a bf16 checkpoint with
+    no dtype (the shipped models, the README's first command), `bench` and the --dtype note ended in a traceback.
+    Without the check the CPU counts as emulating half precision: float32, the same values."""
+    from blockpress import bench, checkpoint
+    from blockpress.cli.common import emulated_dtype_note
+
+    load_quiet(ref_checkpoint[0], dtype="bfloat16").save(tmp_path / "m")
+    monkeypatch.setattr(torch.ops, "mkldnn", _NoOneDNNOps())
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert not checkpoint.cpu_computes_natively(torch.bfloat16)
+    assert not checkpoint.cpu_computes_natively(torch.float16)
+    assert checkpoint.cpu_computes_natively(torch.float32)
+    lm = load_quiet(tmp_path / "m")
+    assert lm.dtype == torch.float32 and lm.widened_from == torch.bfloat16
+    assert load_quiet(tmp_path / "m", dtype="bfloat16").dtype == torch.bfloat16  # an explicit dtype still wins
+    assert bench.machine("cpu")["native_bf16"] is False
+    assert "no native bf16 matmuls" in emulated_dtype_note("bfloat16", "cpu")
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_save_writes_the_dtype_a_load_widened_from(ref_checkpoint, tmp_path, monkeypatch, native):
     """A bf16 checkpoint loaded with no dtype on a CPU without native bf16 computes in float32, and lm.save wrote
