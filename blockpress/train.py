@@ -21,6 +21,7 @@ import copy
 import inspect
 import json
 import math
+import multiprocessing
 import os
 import pickle
 import re
@@ -912,6 +913,16 @@ class StepBatches(torch.utils.data.Dataset):
         return batch, draw_noise(batch, self.vocab_size, self.cfg, g)
 
 
+def check_data_workers(workers: int, name: str) -> None:
+    """Refuse data workers where Python has no fork start method (Windows: spawn alone). The workers get the batch
+    builder by fork; spawn would pickle it to each of them, the examples and the token shards whole (a
+    memory-mapped shard copied into every worker). `name`: the setting as the caller knows it."""
+    if workers and "fork" not in multiprocessing.get_all_start_methods():
+        raise ValueError(f"{name}: needs the fork start method, which Python lacks on this platform ({sys.platform}: "
+                         f"{', '.join(multiprocessing.get_all_start_methods())}); use 0 (batches built in the "
+                         "training loop)")
+
+
 def _one_thread(_worker: int) -> None:
     torch.set_num_threads(1)  # batch building is light; the optimizer's process owns the cores
     # A stop signal sent to the whole process group (timeout, Slurm, docker stop, a closed terminal) reaches the
@@ -1254,6 +1265,7 @@ class Trainer:
             raise ValueError(f"merged_dtype: {str(merged_dtype).removeprefix('torch.')} is not the run's dtype "
                              f"{cfg.dtype} (the settings' dtype is the saved checkpoint's); give one of them")
         self.merged_dtype = merged_dtype or (getattr(torch, cfg.dtype) if cfg.dtype else torch.float32)
+        check_data_workers(cfg.data_workers, "data_workers")  # (torch's DataLoader refused it at the first step)
         self.data = {"path": data, "size": _source_size(source)}
         _check_evaluation(cfg, source, heldout)
         self.out = expand_user(out_dir, "out_dir")  # as load reads a model at ~/...

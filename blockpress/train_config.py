@@ -110,7 +110,8 @@ class TrainConfig:
     max_minutes: float = setting(0.0, "stop (and save) after this much wall time, in minutes, of the whole "
                                  "run (a resumed run's earlier parts count; 0: no limit)")
     time_schedule: bool = setting(False, "with --max-minutes: the cosine decay follows the elapsed fraction of the budget")
-    data_workers: int = setting(0, "processes building batches ahead of the optimizer (0: built in the training loop)")
+    data_workers: int = setting(0, "processes building batches ahead of the optimizer, forked (not on "
+                                   "Windows, whose Python cannot fork; 0: built in the training loop)")
     compile: bool = setting(False, "torch.compile the training forward and backward (the first steps pay the compile)")
     # What `blockpress train` reads of a chat record (load_jsonl), kept with the run so that --resume reads the same
     # (a Trainer reads heldout_data by it; its training examples come read, by load_jsonl(..., chat_turns=) alike).

@@ -898,6 +898,16 @@ def test_batches_built_by_workers_change_nothing(tmp_path):
     assert inline.losses == pytest.approx(workers.losses, rel=1e-6)
 
 
+def test_data_workers_where_python_has_no_fork_are_refused_by_name(tmp_path, monkeypatch):
+    """Windows' Python has the spawn start method alone: the Trainer built, and train() then ended in torch's
+    DataLoader error for the fork context, naming no setting."""
+    import multiprocessing
+
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+    with pytest.raises(ValueError, match=r"^data_workers: needs the fork start method, .*spawn\); use 0"):
+        run(tmp_path, 2, data_workers=2)
+
+
 @given(step=st.integers(0, 400), fraction=st.floats(0.0, 1.0), later=st.floats(0.0, 1.0))
 def test_time_schedule_anneals_over_the_budget(step, fraction, later):
     cfg = TrainConfig(steps=10_000, lr=1e-3, warmup_steps=20, max_minutes=5.0, time_schedule=True)

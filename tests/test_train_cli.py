@@ -186,6 +186,22 @@ def test_train_config_file_values_are_checked_before_the_model_loads(tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
+def test_data_workers_where_python_has_no_fork_is_refused_naming_the_flag(tmp_path, capsys, monkeypatch):
+    """On Windows (multiprocessing's start methods: spawn alone) torch's DataLoader refused the hard-coded fork
+    context after the model was built, in its own words, naming no flag ("multiprocessing_context option should
+    specify a valid start method in ['spawn']"), and left an empty metrics.jsonl. Simulated as the platform lists
+    its start methods."""
+    import multiprocessing
+
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+    data = write_data(tmp_path / "d.jsonl")
+    assert main(train_args(data, tmp_path / "out") + ["--data-workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --data-workers: needs the fork start method, which Python lacks on this platform" in err
+    assert "use 0" in err and not (tmp_path / "out" / "metrics.jsonl").exists()
+    assert main(train_args(data, tmp_path / "out") + ["--data-workers", "0"]) == 0  # batches built in the loop
+
+
 def test_a_train_config_that_cannot_be_read_is_named_in_words(tmp_path, capsys):
     """A missing --train-config, or a folder, is said in words (it was Python's "[Errno 2] No such file or
     directory: '...'", the path again), before the model loads."""

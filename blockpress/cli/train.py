@@ -89,6 +89,9 @@ def _run(args: argparse.Namespace, out: Path) -> int:
     lora_shape = _check_lora_resume(args, settings)
     args.model = _model_to_train(args, out)
     _check_model_flags(args, settings)
+    from blockpress.train import check_data_workers
+
+    check_data_workers(settings.cfg.data_workers, "--data-workers")  # before the load, not at the first step
     if (slow := emulated_dtype_note(settings.cfg.dtype, args.device)) is not None:  # (as generate's load says it)
         print(slow, file=sys.stderr, flush=True)
     if args.model:
