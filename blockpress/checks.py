@@ -18,13 +18,20 @@ from typing import Any, TypeVar
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # blockpress/, for warn_user
 
 
+# The allocators that say "out of memory" with a plain RuntimeError, not torch.OutOfMemoryError: the CPU's
+# (c10/core/impl/alloc_cpu.cpp), posix_memalign's text on Linux and macOS and _aligned_malloc's on Windows (and
+# Android), and MPS's (aten/src/ATen/mps/MPSAllocator.mm). Windows' alone went unmatched: a traceback, a chat ended.
+ALLOCATOR_FAILURES = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory",
+                      "MPS backend out of memory")
+
+
 def allocation_failed(exc: BaseException) -> bool:
-    """Whether `exc` is a device's refusal to allocate: torch's OutOfMemoryError (a GPU's), or the CPU allocator's
-    RuntimeError ("DefaultCPUAllocator: can't allocate memory"), or Python's MemoryError. Without importing torch
-    (the CLI asks it of any command's error, and most never import torch)."""
+    """Whether `exc` is a device's refusal to allocate: torch's OutOfMemoryError (a CUDA GPU's), an allocator's
+    RuntimeError (the CPU's, MPS's: ALLOCATOR_FAILURES), or Python's MemoryError. Without importing torch (the CLI
+    asks it of any command's error, and most never import torch)."""
     torch = sys.modules.get("torch")
     return isinstance(exc, MemoryError) or (torch is not None and isinstance(exc, torch.OutOfMemoryError)) or (
-        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+        isinstance(exc, RuntimeError) and any(text in str(exc) for text in ALLOCATOR_FAILURES))
 
 
 def check_flag(name: str, value: Any, none: bool = False) -> bool | None:

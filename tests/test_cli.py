@@ -3794,12 +3794,20 @@ def test_out_of_memory_is_one_line_naming_what_takes_less(monkeypatch, capsys, a
 
 
 CPU_OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes. Error code 12"
+# torch's texts elsewhere (c10/core/impl/alloc_cpu.cpp's _MSC_VER branch; aten/src/ATen/mps/MPSAllocator.mm): plain
+# RuntimeErrors as well
+WINDOWS_CPU_OOM = ("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: you tried to "
+                   "allocate 1099511627776 bytes.")
+MPS_OOM = ("MPS backend out of memory (MPS allocated: 17.36 GB, other allocations: 613.56 MB, max allowed: 18.13 GB). "
+           "Tried to allocate 192.00 MB on private pool.")
 
 
-@pytest.mark.parametrize("failure", [RuntimeError(CPU_OOM), MemoryError()])
+@pytest.mark.parametrize("failure", [RuntimeError(CPU_OOM), RuntimeError(WINDOWS_CPU_OOM), RuntimeError(MPS_OOM),
+                                     MemoryError()])
 def test_the_cpus_out_of_memory_is_one_line_too(monkeypatch, capsys, failure):
     """The CLI took torch.OutOfMemoryError alone: the CPU allocator's RuntimeError and Python's MemoryError (what a
-    CPU run meets) escaped main() with a traceback, and a chat lost its conversation."""
+    CPU run meets) escaped main() with a traceback, and a chat lost its conversation. The CPU allocator's text on
+    Windows ("not enough memory") and MPS's were still not recognised."""
     def out_of_memory(*args, **kwargs):
         raise failure
 
