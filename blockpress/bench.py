@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from .cache import KVCache
 from .checkpoint import available_bytes, cpu_computes_natively, resolve_device
@@ -736,8 +737,8 @@ def _reference(lm: LM) -> Any:
                 lm.save(tmp, dtype=lm.dtype)  # the very weights lm computes with (not the dtype a load widened from)
             # transformers declares PreTrainedModel.to as @wraps(nn.Module.to), which typeshed's functools.wraps
             # types as the unbound nn.Module.to (self first): the stub, not this call, is wrong
-            model = _reference_or_note(lambda: DiffusionGemmaForBlockDiffusion.from_pretrained(
-                tmp, dtype=lm.dtype).to(lm.device).eval())  # type: ignore[arg-type]
+            model = _reference_or_note(lambda: _own_weights(DiffusionGemmaForBlockDiffusion.from_pretrained(
+                tmp, dtype=lm.dtype).to(lm.device).eval()))  # type: ignore[arg-type]
             # A step of one token, as the timed runs call it: a failure only they would meet (python -W error
             # turning a torch DeprecationWarning inside it into an error) leaves the reference out here, not the run
             if model is not None and _reference_or_note(lambda: model.generate(
@@ -748,6 +749,27 @@ def _reference(lm: LM) -> Any:
         hf_logging.set_verbosity(level)
         if bars:
             hf_logging.enable_progress_bar()
+
+
+def _own_weights(model: Any) -> Any:
+    """`model` with its CPU weights copied out of the file they were loaded from: transformers loads them as views
+    of the mapped safetensors file, and that file is in a temporary folder removed as _reference returns. Windows
+    refuses to delete a mapped file: the folder's cleanup raised there, outside _reference_or_note, and the whole
+    run ended at its first canvas. Each tensor is replaced, not its .data: a buffer loaded as a view (layer_scalar)
+    keeps its base, and with it the whole mapping, through a .data swap. A weight tied to another is one tensor,
+    copied once: the tie stays."""
+    copies: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for module in model.modules():
+            for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                if tensor.device.type != "cpu":
+                    continue
+                if id(tensor) not in copies:
+                    copy = tensor.detach().clone()
+                    copies[id(tensor)] = (nn.Parameter(copy, requires_grad=tensor.requires_grad)
+                                          if isinstance(tensor, nn.Parameter) else copy)
+                setattr(module, name, copies[id(tensor)])
+    return model
 
 
 def _reference_or_note(build: Callable[[], Any]) -> Any:

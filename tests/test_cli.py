@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -1099,6 +1100,32 @@ def test_bench_leaves_out_a_reference_that_fails_and_says_so(monkeypatch, capsys
     assert data["reference_available"] is False and data["rows"][0]["blockpress"]["tok_s"] > 0
     assert ("bench: the reference is left out: transformers failed (DeprecationWarning: something torch deprecates); "
             "--no-reference leaves it out without trying") in err.splitlines()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads this process's mappings")
+def test_bench_reference_maps_nothing_of_the_folder_it_was_loaded_from(monkeypatch):
+    """The reference was loaded (by transformers, as views of the mapped model.safetensors) from a temporary folder
+    removed as _reference returned, while it still mapped the file. Windows refuses to delete a mapped file: the
+    cleanup raised outside the reference's own failure handling and `bench` ended at its first canvas. Simulated:
+    the folder's cleanup refuses, as Windows does, while this process maps a file in it."""
+    pytest.importorskip("transformers")
+    from blockpress import bench
+
+    class WindowsTemporaryDirectory(tempfile.TemporaryDirectory):
+        def cleanup(self):
+            with open("/proc/self/maps") as maps:
+                mapped = [line.split(None, 5)[5].strip() for line in maps if self.name + os.sep in line]
+            if mapped:
+                raise PermissionError(13, "The process cannot access the file because it is being used by another "
+                                      "process", mapped[0])
+            super().cleanup()
+
+    monkeypatch.setattr(bench.tempfile, "TemporaryDirectory", WindowsTemporaryDirectory)
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    ref = bench._reference(lm)
+    assert ref is not None
+    # the copies are the weights: the tied embedding stays one tensor
+    assert ref.get_output_embeddings().weight is ref.get_input_embeddings().weight
 
 
 def test_bench_leaves_out_a_transformers_without_diffusiongemma_and_says_so(monkeypatch, capsys):
