@@ -56,6 +56,20 @@ def output_folder(path: Any, name: str) -> Path:
     return folder
 
 
+def same_place(a: str | Path, b: str | Path) -> bool:
+    """Whether paths `a` and `b` name one file or folder: by device and inode where both exist (os.path.samefile), else
+    by the folder they would be in and their names. Comparing the resolved strings missed a second name for a folder:
+    another letter case on a case-insensitive volume (macOS's default; realpath keeps the case it is given there), a
+    bind mount or another mount point."""
+    a, b = Path(a), Path(b)
+    if a.exists() and b.exists():
+        return os.path.samefile(a, b)
+    if a.exists() or b.exists() or a.name != b.name:
+        return False
+    return a.resolve() == b.resolve() or (a.parent.exists() and b.parent.exists()
+                                          and os.path.samefile(a.parent, b.parent))
+
+
 # A save's tag, in the names of the files it stages: the saving process's id and a random token. One fixed name a file
 # (`.{name}.tmp`) was shared by every save into a folder, so two at once (two runs on one --out, Pool workers saving to
 # one folder) deleted and moved each other's files: saves failed with FileNotFoundError, or mixed their files.

@@ -76,6 +76,7 @@ from .files import (
     output_folder,
     parse_json,
     read_json_object,
+    same_place,
     staging,
     tag_of,
     temporary_path,
@@ -2063,7 +2064,7 @@ def check_lora_resume_model(out: str | Path, model: str | Path) -> None:
         return  # (loading it says what is wrong)
     run, recorded = Path(out).expanduser().resolve(), lora_base(out)
     trains = f"; its adapters train over {recorded}, which --resume loads when --model is left out" if recorded else ""
-    if given == run or run in given.parents:
+    if any(same_place(folder, run) for folder in (given, *given.parents)):  # (by inode: another case, a bind mount)
         raise ValueError(f"--model {model}: the LoRA run in {out} itself, whose weights hold the update of the "
                          f"adapters being trained (it would count twice){trains}")
     if recorded is None:

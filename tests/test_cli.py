@@ -4983,6 +4983,25 @@ def quantize_refusals(tmp_path):
     ]
 
 
+def test_a_second_name_for_a_folder_is_the_folder(tmp_path, monkeypatch, capsys):
+    """quantize's OUT against --model and bench's --out against --plot compared resolved path strings. On macOS's
+    case-insensitive volumes realpath keeps the case it is given (runs/base is runs/Base), and on Linux a bind mount
+    gives a folder a second name: `quantize --model runs/Base --quantize int8 runs/base --overwrite` wrote the codes
+    over the checkpoint they were made from. Simulated: a link is the second name, and resolve keeps the name it is
+    given, as realpath does there."""
+    plain = tmp_path / "Base"
+    blockpress.random_model(blockpress.ModelConfig.tiny()).save(plain)
+    alias = tmp_path / "base"
+    alias.symlink_to(plain)
+    monkeypatch.setattr(Path, "resolve", lambda self, strict=False: Path(os.path.abspath(self)))
+    weights = (plain / "model.safetensors").read_bytes()
+    assert main(["quantize", "--model", str(plain), "--quantize", "int8", "--overwrite", str(alias)]) == 2
+    assert f"OUT {alias}: is the folder --model {plain} is read from" in capsys.readouterr().err
+    assert (plain / "model.safetensors").read_bytes() == weights
+    assert main(["bench", "--preset", "tiny", "--out", str(alias / "b.png"), "--plot", str(plain / "b.png")]) == 2
+    assert f"--out: '{alias / 'b.png'}' is the --plot file too" in capsys.readouterr().err
+
+
 def test_quantize_refusals_are_one_line_before_the_load(tmp_path, monkeypatch, capsys):
     """Each refusal is one line under the command's name naming the flag or OUT, exit 2, and comes before the model
     is loaded (a 26B takes minutes); OUT is left unmade."""

@@ -2,6 +2,7 @@
 token healing its prompts call for, and the adapter given with the wrong model."""
 
 import json
+import os
 import re
 import shutil
 import warnings
@@ -266,3 +267,22 @@ def test_a_lora_runs_mid_run_save_loads_and_resumes_without_data_as_its_hint_say
     assert (out / "config.json").is_file()
     assert main(["train", "--out", str(tmp_path / "other"), "--config", "tiny"]) == 2
     assert "--data: required" in capsys.readouterr().err
+
+
+
+def test_a_lora_runs_own_folder_by_a_second_name_is_refused_as_its_base(tmp_path, monkeypatch):
+    """check_lora_resume_model compared resolved path strings: the run's folder by another name (another letter case
+    on macOS's case-insensitive volumes, where realpath keeps the case given; a bind mount) passed as the base its
+    adapters train over. Simulated: a link is the second name, and resolve keeps the name it is given."""
+    from pathlib import Path
+
+    from blockpress.train import ADAPTER_DIR, check_lora_resume_model
+
+    run = tmp_path / "Run"
+    (run / ADAPTER_DIR).mkdir(parents=True)
+    alias = tmp_path / "run"
+    alias.symlink_to(run)
+    monkeypatch.setattr(Path, "resolve", lambda self, strict=False: Path(os.path.abspath(self)))
+    for model in (alias, alias / ADAPTER_DIR):
+        with pytest.raises(ValueError, match=f"^--model {re.escape(str(model))}: the LoRA run in {re.escape(str(run))} itself"):
+            check_lora_resume_model(run, model)

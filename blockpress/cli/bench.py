@@ -17,7 +17,7 @@ from blockpress.stopping import fresh_line, stop_status, stop_word
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from blockpress.bench import PLOT_FORMATS, BenchSettings, plot, run_bench
-    from blockpress.files import new_tag, release_tag, remove_killed_writes
+    from blockpress.files import new_tag, release_tag, remove_killed_writes, same_place
 
     if args.model is not None:
         preset = args.model[len(RANDOM_PREFIX):] if args.model.startswith(RANDOM_PREFIX) else None
@@ -42,7 +42,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             # else the first write, after the first row (minutes at a large preset), is the first to find it
             raise ValueError(f"{flag}: cannot write into the folder {str(Path(path).parent)!r} (read-only, or not "
                              "yours)")
-    if args.out and args.plot and Path(args.out).resolve() == Path(args.plot).resolve():  # the plot, written after
+    if args.out and args.plot and same_place(args.out, args.plot):  # the plot, written after
         # the JSON each row, replaced it: the run ended 0 with its --out an image
         raise ValueError(f"--out: {args.out!r} is the --plot file too; give the JSON and the plot a file each")
     if args.plot and Path(args.plot).suffix.lower().lstrip(".") not in PLOT_FORMATS:

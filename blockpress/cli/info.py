@@ -127,6 +127,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     all in memory) and save it to OUT as lm.save writes a quantized model, which every command's --model then loads
     as stored. Everything that can be refused is refused before the load: a 26B takes minutes to read."""
     from blockpress.checkpoint import checkpoint_files, folder_quantization
+    from blockpress.files import same_place
     from blockpress.lm import resolve_path
     from blockpress.train import ADAPTER_DIR, is_adapter_folder
 
@@ -155,7 +156,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     out = Path(os.path.expanduser(args.out))
     if out.exists() and not out.is_dir():
         raise ValueError(f"OUT {args.out}: a file, not a folder")
-    if source is not None and out.is_dir() and out.resolve() == source.resolve():
+    if source is not None and out.is_dir() and same_place(out, source):  # (runs/base on macOS is runs/Base)
         raise ValueError(f"OUT {args.out}: is the folder --model {args.model} is read from; give another folder "
                          "(the unquantized checkpoint is what a quantization is made from)")
     # a killed save's temporaries alone (StagedFiles') leave a folder as good as empty: the next save replaces them
