@@ -2028,6 +2028,24 @@ def test_bench_bad_arguments_fail_before_running(args, message, monkeypatch, cap
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="a FIFO stands in for a device")
+def test_bench_out_that_is_not_a_regular_file_is_refused(tmp_path, monkeypatch, capsys):
+    """bench writes --out beside it and moves it into place after each row: as root, `--out /dev/null` (the usual
+    way to discard output) replaced the device with a regular file holding the JSON; as a user it was refused as a
+    folder that cannot be written into. A FIFO stands in for the device (no root needed to make one)."""
+    import stat
+
+    import blockpress.bench
+
+    monkeypatch.setattr(blockpress.bench, "run_bench", lambda *a, **k: pytest.fail("ran the bench first"))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in [str(fifo)] + (["/dev/null"] if os.path.exists("/dev/null") else []):
+        assert main(["bench", "--preset", "tiny", "--no-reference", "--out", path]) == 2
+        assert f"--out: {path!r} is not a regular file (a device, a pipe or a socket)" in capsys.readouterr().err
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+
+
 def test_bench_threads_past_the_cpus_fail_before_torch_sees_them():
     """--threads 100000 was a segmentation fault (139) in torch's thread pool: run end to end, where a crash is an
     exit status and not the test process's own."""

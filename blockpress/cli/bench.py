@@ -36,6 +36,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag}: no folder {str(Path(path).parent)!r} to write {path!r} into")
         if path and Path(path).is_dir():
             raise ValueError(f"{flag}: {path!r} is a folder; give a file name")
+        if path and Path(path).exists() and not Path(path).is_file():  # each write replaces the file: as root, a
+            # device (--out /dev/null) became a regular file holding the JSON, for every later writer to append to
+            raise ValueError(f"{flag}: {path!r} is not a regular file (a device, a pipe or a socket), which each "
+                             "write would replace; give a file name")
         if path:
             check_file_path(flag, path)
         if path and not os.access(Path(path).resolve().parent, os.W_OK):  # a read-only disk, another user's folder:
