@@ -9,6 +9,7 @@ written whole.
 
 from __future__ import annotations
 
+import codecs
 import os
 import shutil
 import sys
@@ -31,6 +32,20 @@ def terminal_text(text: str) -> str:
     shows as (a model can write any token, and a random or small one does: an escape sequence left the terminal
     coloured or cleared). Text written anywhere else (a pipe, --json) is the model's, unchanged."""
     return text.replace("\r\n", "\n").translate(_CONTROLS)
+
+
+def as_sent(text: str, stream: TextIO) -> str:
+    """`text` as `stream` sends it to the terminal: a character its encoding cannot hold as "?" (cli/output.py's
+    utf8_stdio has a terminal that is not UTF-8 replace it). The view counts the rows of this: counted as the two
+    cells a CJK character takes, the one-cell "?" drawn in its place made each redraw move the cursor above the
+    region and erase the lines before it (PYTHONIOENCODING=ascii, a latin-1 or cp1252 terminal)."""
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    try:
+        if codecs.lookup(encoding).name == "utf-8":
+            return text
+    except LookupError:
+        return text
+    return text.encode(encoding, errors="replace").decode(encoding, errors="replace")
 
 
 def live_terminal(stream: TextIO, env: Mapping[str, str] | None = None) -> bool:
@@ -239,8 +254,8 @@ class LiveView:
         columns = max(columns, 1)
         pieces = [(self.tail, ""), *((t, s) for t, s in pieces if t)]
         # control characters would move the cursor and spoil the row count; the final text, written whole, is on
-        # the terminal too
-        pieces = [(terminal_text(t), s) for t, s in pieces]
+        # the terminal too; and the rows are those of what the terminal is sent (as_sent)
+        pieces = [(as_sent(terminal_text(t), self.out), s) for t, s in pieces]
         if live:
             pieces = fit(pieces, columns, max(lines - 1, 2))
         up = f"\x1b[{self.rows - 1}A" if self.rows > 1 else ""

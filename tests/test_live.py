@@ -114,6 +114,29 @@ def test_fit_keeps_a_line_of_wide_characters_taller_than_the_screen_within_it(co
     assert rows_of(shown, columns) >= 23 and ("中" * 600).endswith(shown[2:])  # (as much as fits, of its end)
 
 
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1", "cp1252"])
+def test_a_terminal_that_cannot_show_the_text_keeps_the_lines_above_the_view(encoding):
+    """A terminal whose encoding cannot hold a character is sent "?" for it (one cell, utf8_stdio's errors="replace"),
+    but the view counted the rows of the text before encoding, a CJK character as two cells: each redraw moved the
+    cursor above its region and erased the user's earlier lines."""
+    tok = Chars("ab名 :")
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding=encoding, errors="replace", write_through=True)
+    prompt = "def f(x):  # " + "名" * 30
+    view = LiveView(tok, prompt, color=False, out=out, size=lambda: (40, 30))
+    final = ""
+    for drafts in ([[0, 1, 2], [0, 1, 2, 2, 3]], [[4, 3, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2]]):
+        for draft in drafts:
+            view.draft(draft)
+        final += tok.decode(drafts[-1])
+        view.commit(final)
+    view.commit(final, final=True)
+    plain = (prompt + final).encode(encoding, errors="replace").decode(encoding)
+    live = screen_after(raw.getvalue().decode(encoding), 40, 30, 8)
+    assert live[0] == "$ earlier output 0".ljust(40)
+    assert settled(live, screen_after(plain, 40, 30, 8))
+
+
 def test_widths():
     assert display_width("ab\t") == 8 and display_width("中文") == 4 and display_width("e\u0301") == 1
     # a soft hyphen is drawn one cell wide (wcwidth 1); counted as none, each redraw left a copy of its line behind
