@@ -162,10 +162,12 @@ def resolve_path(path_or_name: str | Path) -> Path:
         raise ValueError(f"model {str(path_or_name)!r}: a file; give the checkpoint folder that holds it ({path.parent})")
     name = str(path_or_name)
     repo_id, _, revision = name.partition("@")
-    # Only a folder can be named so: absolute, relative to . / .. / ~, or more than a repo id's owner/name. The
-    # hub's advice would mislead there (a typo in a path is no model to download).
+    # Only a folder can be named so: absolute, relative to . / .. / ~, more than a repo id's owner/name, or holding a
+    # backslash, which no repo id does (Windows' separator: runs\x was advised as `hf download runs\x`). The hub's
+    # advice would mislead there (a typo in a path is no model to download).
     parts = repo_id.replace(os.sep, "/").split("/")
-    if Path(name).is_absolute() or name.startswith(("~", ".")) or len(parts) > 2 or not all(parts):
+    if (Path(name).is_absolute() or name.startswith(("~", ".")) or len(parts) > 2 or not all(parts)
+            or "\\" in name):
         raise FileNotFoundError(f"model {name!r}: no such folder ({path.absolute()})")
     snapshot = hf_cached_snapshot(repo_id, revision or "main")
     if snapshot is not None:

@@ -967,10 +967,11 @@ def test_a_repo_id_not_in_the_cache_says_where_it_looked(ref_checkpoint, tmp_pat
 
 
 @pytest.mark.parametrize("name", ["/no/such/folder", "./ckpt", "../tiny-dg", "~/no-such-ckpt", "runs/x/final",
-                                  "acme/tiny-dg/extra", "ckpt/", ".ckpt"])
+                                  "acme/tiny-dg/extra", "ckpt/", ".ckpt", "runs\\x", "models\\my-run"])
 def test_a_missing_path_is_said_to_be_no_folder(ref_checkpoint, tmp_path, monkeypatch, name):
     """A name only a folder can have got the hub's advice ("... nor a model in the Hugging Face cache; fetch it
-    first, e.g. `hf download google/...`"), as if a typo in a path were a model to download."""
+    first, e.g. `hf download google/...`"), as if a typo in a path were a model to download. A backslash (Windows'
+    separator: runs\\x) is in no repo id."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     fake_hub_cache(tmp_path, ref_checkpoint[0])
     monkeypatch.chdir(tmp_path)
