@@ -233,6 +233,22 @@ def test_a_chat_prompt_that_is_not_utf8_is_named_prompt_before_the_model_loads(c
         assert "error: prompt: not valid UTF-8 (byte 0xe9 at character 3)" in err, err
 
 
+def test_utf8_arguments_under_an_ascii_locale_are_read_as_utf8(capsys):
+    """Under an ASCII locale with UTF-8 mode off, Python decodes argv as ASCII with surrogateescape: "grüße" typed in
+    UTF-8 arrived as surrogates and was refused as "prompt: not valid UTF-8 (byte 0xc3 at character 6)" (--stop,
+    --system, infill's template alike), where the same bytes piped in are read as UTF-8. Bytes that are not UTF-8
+    are still named."""
+    def typed(text):
+        return text.encode("utf-8").decode("ascii", "surrogateescape")  # what Python's argv holds there
+
+    assert main(["generate", typed("def grüße():"), "--model", "random-tiny", "--max-new-tokens", "2", "--steps", "2",
+                 "--stop", typed("✓"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt"] == "def grüße():"
+    assert main(["generate", "caf" + "\xe9".encode("latin-1").decode("ascii", "surrogateescape"), "--model",
+                 "random-tiny"]) == 2
+    assert "prompt: not valid UTF-8 (byte 0xe9 at character 3)" in capsys.readouterr().err
+
+
 def test_piped_prompt_is_read_as_utf8_whatever_the_locale(capsys, monkeypatch):
     """Piped on Windows, stdin was decoded as cp1252: a UTF-8 prompt reached the model as mojibake ("grüße" as
     "grÃ¼ÃŸe"), silently. A BOM is dropped; bytes that are not UTF-8 are refused by name, not guessed at."""

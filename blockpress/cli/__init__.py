@@ -15,7 +15,7 @@ import sys
 import warnings
 
 from blockpress.checks import allocation_failed, compile_failure
-from blockpress.cli.common import as_flags, command_flags, expand_path_flags, train_flag_of
+from blockpress.cli.common import as_flags, command_flags, expand_path_flags, train_flag_of, utf8_arguments
 from blockpress.cli.output import (
     OutputError,
     compile_failed,
@@ -101,6 +101,7 @@ def run_command(args: argparse.Namespace) -> int:
     threads_before = None
     try:
         expand_path_flags(args)
+        utf8_arguments(args)
         if getattr(args, "threads", 0):  # (checked before torch's import: a mistyped count is said at once)
             if args.threads < 0:
                 raise ValueError(f"--threads: expected 0 (torch's default) or more, got {args.threads}")

@@ -466,6 +466,34 @@ class TypedFlag(argparse.Action):
 PATH_FLAGS = ("input", "output", "file", "data", "heldout_data", "train_config", "out", "plot", "config", "tokenizer")
 
 
+# The arguments that are text for the model, not paths (a path's bytes must reach the file system as they came)
+TEXT_ARGUMENTS = ("prompt", "template", "prefix", "system", "stop", "puzzles")
+
+
+def utf8_argument(value: str) -> str:
+    """A text argument as the UTF-8 it was typed in. Under a locale that is not UTF-8 (an ASCII one with UTF-8 mode
+    off) Python decodes argv with the locale's codec, and the bytes it cannot read arrive as surrogates: 'grüße' was
+    refused as "not valid UTF-8 (byte 0xc3 ...)", where the same bytes piped in are read as UTF-8 (utf8_stdio). They
+    are read so here too, by their bytes (os.fsencode undoes the locale's decoding); bytes that are not UTF-8 stay
+    surrogates, for the check to name."""
+    if not any("\udc80" <= ch <= "\udcff" for ch in value):
+        return value
+    try:
+        return os.fsencode(value).decode("utf-8")
+    except UnicodeError:
+        return value
+
+
+def utf8_arguments(args: argparse.Namespace) -> None:
+    """Each text argument of `args` (TEXT_ARGUMENTS; --stop and sudoku's puzzles are lists) as utf8_argument reads it."""
+    for name in TEXT_ARGUMENTS:
+        value = getattr(args, name, None)
+        if isinstance(value, str):
+            setattr(args, name, utf8_argument(value))
+        elif isinstance(value, list):
+            setattr(args, name, [utf8_argument(v) if isinstance(v, str) else v for v in value])
+
+
 def expand_path_flags(args: argparse.Namespace) -> None:
     """Each path flag of `args` that starts with ~ or ~user, expanded as a shell would (files.expand_user, its
     refusal of a ~user with no home naming the flag): a shell leaves a ~ after `=` as it is (`--input=~/in.jsonl`),
