@@ -646,6 +646,13 @@ def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None =
     return out
 
 
+def split_digests(examples: Sequence[Example]) -> list[str]:
+    """Short digests of examples' content (split_heldout's _digest), sorted: what a run records of the examples it
+    holds out, so that --resume can tell whether it holds out the same ones (Trainer.resume). A digest of the token
+    ids, as the split is made by them: a change to how blockpress tokenizes a record changes both."""
+    return sorted(_digest((e.prompt, e.response)).hex()[:16] for e in examples)
+
+
 def split_heldout(examples: Sequence[Example], fraction: float) -> tuple[list[Example], list[Example]]:
     """Deterministic held-out split by content hash (stable across runs and machines); the turns of one chat are
     held out together (Example.split_key). An example also trained on is no held-out example: its copies that a

@@ -33,6 +33,7 @@ import threading
 import time
 import warnings
 import zipfile
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -68,6 +69,7 @@ from .data import (
     load_corpus,
     load_jsonl,
     make_batch,
+    split_digests,
     split_heldout,
 )
 from .files import (
@@ -1257,7 +1259,9 @@ class Trainer:
         (_settings_heldout). `merged_dtype`: LoRA, the dtype of the final checkpoint, the adapters merged in float32
         (see merge_lora); None: cfg.dtype's, else float32 (another than cfg.dtype is refused: the settings' dtype is
         the saved checkpoint's). `data`: where `source` was read from (`blockpress train`:
-        --data), saved with the run with the source's size: `resume` warns when a run continues on other data."""
+        --data), saved with the run with the source's size: `resume` warns when a run continues on other data. Where
+        the heldout fraction splits the examples, the run records which it holds out (split_digests): `resume` warns
+        when it holds out others."""
         source, heldout = _settings_heldout(lm, cfg, source, heldout)
         if cfg.heldout_data:  # recorded with the run as --data is, whole: --resume from another folder reads it too
             cfg = replace(cfg, heldout_data=str(Path(cfg.heldout_data).resolve()))
@@ -1267,7 +1271,11 @@ class Trainer:
                              f"{cfg.dtype} (the settings' dtype is the saved checkpoint's); give one of them")
         self.merged_dtype = merged_dtype or (getattr(torch, cfg.dtype) if cfg.dtype else torch.float32)
         check_data_workers(cfg.data_workers, "data_workers")  # (torch's DataLoader refused it at the first step)
-        self.data = {"path": data, "size": _source_size(source)}
+        self.data: dict[str, Any] = {"path": data, "size": _source_size(source)}
+        if cfg.heldout and isinstance(source, ExampleSource) and not isinstance(heldout, ShardSource):
+            # the split the run starts with, made by a hash of each example's tokens: other data, or another
+            # blockpress's tokenization of the same data, changes it without a word (Trainer.resume checks it)
+            self.data["heldout"] = split_digests(heldout.examples if heldout is not None else [])
         _check_evaluation(cfg, source, heldout)
         self.out = expand_user(out_dir, "out_dir")  # as load reads a model at ~/...
         self.progress, self.on_step = progress, on_step
@@ -1689,6 +1697,7 @@ class Trainer:
             warn_user(f"--data: the run in {self.out} trained on {was}, and continues on {now}: the batches of "
                       "the steps to come are not those of the run it was (give its own data again to continue "
                       "it exactly)")
+        self._check_split(saved)
         self.step = state["step"]
         # Where the data stands: the examples consumed, at the batch size of each part of the run (runs saved before
         # it was recorded consumed step x their batch size). A step's batch is the batch size's next examples of the
@@ -1715,6 +1724,33 @@ class Trainer:
                              f"{self.cfg.max_minutes}, the budget of the whole run; give a larger --max-minutes to "
                              "train on (or --max-minutes 0, without --time-schedule, for no limit)")
         self._forget_metrics_after(self.step)
+
+    def _check_split(self, saved: dict[str, Any]) -> None:
+        """Warn where this run holds out other examples than the run it resumes, by the digests it recorded of them
+        (`saved`: its data record): the held-out loss would then score examples the run trained on, and it would train
+        on ones it held out, without a word. Warned, not refused, as other --data is: the run goes on. A run saved
+        before the split was recorded cannot be checked, and says so."""
+        held = self.data.get("heldout")
+        if held is None:  # this run splits off no fraction of its examples
+            return
+        recorded = saved.get("heldout")
+        if not isinstance(recorded, list):
+            warn_user(f"--resume: the run in {self.out} was saved by a blockpress that did not record which examples "
+                      "it held out, so whether this resume holds out the same ones cannot be checked (another "
+                      "blockpress may read its data into other tokens, and so hold out other examples)")
+            return
+        if recorded == held:
+            return
+        # (by content: the split hashes tokens, so the run's examples read into other tokens are other examples)
+        kept = sum((Counter(recorded) & Counter(held)).values())
+        warn_user(f"--resume: the run in {self.out} held out {len(recorded)} examples, and this resume holds out "
+                  f"{len(held)}: {kept} of the run's are among them, so {len(recorded) - kept} are no longer held "
+                  "out (trained on from here on, where the data still holds them), and the held-out loss from here "
+                  f"on includes {len(held) - kept} examples the run did not hold out (trained on, unless they are "
+                  "new to the data). Its data changed, or blockpress's reading of it into tokens did (an example is "
+                  "held out by a hash of its tokens), and the steps to come draw other batches too; give the run's "
+                  "own data to keep its split, or start a new run for a held-out loss of examples it never trained "
+                  "on")
 
     def _other_model(self, why: str) -> ValueError:
         """--resume's refusal of a model that does not fit the run in `out`, `why` saying how."""

@@ -1438,6 +1438,52 @@ def test_resume_on_other_data_says_so(tmp_path, capsys):
                      rf"and continues on {now} \(6 examples\)", capsys.readouterr().err, re.M)
 
 
+def test_resume_says_when_it_holds_out_other_examples(tmp_path, capsys):
+    """A run recorded nothing of its held-out split: resumed on data that changed, or read by a blockpress that
+    tokenizes it otherwise (b5c4ace dropped the EOS a prompt/response record's ids ended with), it held out other
+    examples without a word, and its held-out loss scored examples it had trained on."""
+    data = write_data(tmp_path / "d.jsonl", n=16)
+    out = tmp_path / "run"
+    args = train_args(data, out, steps=2)
+    args[args.index("--heldout") + 1] = "0.5"
+    assert main(args) == 0
+    resume = [a for a in train_args(data, out, steps=3) if a not in ("--config", "tiny", "--heldout", "0")]
+    resume += ["--resume"]
+    capsys.readouterr()
+    assert main(resume) == 0  # its own data: nothing to say (but the --steps given)
+    assert "held out" not in capsys.readouterr().err
+    # the same records, their responses read into other ids (as another tokenization reads them)
+    held = torch.load(out / "trainer_state.pt", weights_only=True)["data"]["heldout"]
+    assert 0 < len(held) < 16
+    with open(data, "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt_ids": [2, 5 + i, 6], "response_ids": [40 + i] * (3 + i % 5)}) + "\n")
+    resume[resume.index("--steps") + 1] = "4"
+    assert main(resume) == 0
+    err = capsys.readouterr().err
+    said = re.search(r"^warning: --resume: the run in .*run held out (\d+) examples, and this resume holds out (\d+): "
+                     r"0 of the run's are among them, so (\d+) are no longer held out \(trained on from here on, "
+                     r"where the data still holds them\), and the held-out loss from here on includes (\d+) examples "
+                     r"the run did not hold out", err, re.M)
+    assert said, err
+    assert int(said[1]) == int(said[3]) == len(held) and int(said[2]) == int(said[4]) > 0
+    assert "Its data changed, or blockpress's reading of it into tokens did" in err
+    # the next resume checks against the split the run now holds out
+    resume[resume.index("--steps") + 1] = "5"
+    assert main(resume) == 0
+    assert "held out" not in capsys.readouterr().err
+    # a run saved before the split was recorded resumes as before, with a line that says it cannot be checked
+    state = torch.load(out / "trainer_state.pt", weights_only=True)
+    del state["data"]["heldout"]
+    torch.save(state, out / "trainer_state.pt")
+    resume[resume.index("--steps") + 1] = "6"
+    assert main(resume) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"^warning: --resume: the run in .*run was saved by a blockpress that did not record which "
+                     r"examples it held out, so whether this resume holds out the same ones cannot be checked", err,
+                     re.M) and err.count("held out") == 1, err
+
+
 def test_raw_text_windows_are_trained_after_the_tokenizers_bos(tmp_path, monkeypatch):
     """`generate` puts BOS before a text prompt; `train` on raw text cut its windows without one, so a model that had
     learned its text (loss 17.8 -> 0.09) garbled it when prompted ("the cat sat" -> "atatatat")."""
