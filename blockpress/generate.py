@@ -511,7 +511,11 @@ def _check_integer_dtype(t: torch.Tensor, name: str) -> None:
 
 
 def _id_row(row: Any, name: str) -> list[int]:
-    """One row of ids as ints: a list of Python or numpy integers, or a 1-D integer tensor / array."""
+    """One row of ids as ints: a list of Python or numpy integers, an array.array of ints (an Example's ids, as
+    load_jsonl holds them), or a 1-D integer tensor / numpy array."""
+    if isinstance(row, array):
+        _check_array_of_ints(row, name)
+        return row.tolist()
     if not isinstance(row, (torch.Tensor, list, tuple, str)) and hasattr(row, "__array__"):
         row = as_tensor(row, name)
     if isinstance(row, torch.Tensor):
@@ -535,9 +539,15 @@ def _id_row(row: Any, name: str) -> list[int]:
     return list(row) if kinds <= {int} else list(map(int, row))
 
 
+def _check_array_of_ints(row: array, name: str) -> None:
+    if row.typecode in "fduw":  # floats would be truncated to ids, characters are text
+        raise ValueError(f"{name}: expected integer token ids, got an array.array of typecode {row.typecode!r}")
+
+
 def read_token_ids(ids: Any, name: str, also: str = "") -> torch.Tensor | list[list[int]]:
-    """Token ids as people hold them: a tensor or numpy array [P] / [B, P] (-> an int64 tensor [B, P]), a list of
-    ids, or a list of rows that may differ in length, each a list of ids or a 1-D integer tensor / array, the
+    """Token ids as people hold them: a tensor or numpy array [P] / [B, P] (-> an int64 tensor [B, P]), a list or
+    an array.array of ids (an Example's, as load_jsonl holds them), or a list of rows that may differ in length,
+    each a list or array.array of ids or a 1-D integer tensor / numpy array, the
     usual way to hold ragged prompts (-> the rows as lists of ints). Python and numpy integers alike, never a
     bool or a float. Ids are range-checked against the vocabulary by the caller. `also`: what else the caller
     takes, for the error message."""
@@ -546,6 +556,9 @@ def read_token_ids(ids: Any, name: str, also: str = "") -> torch.Tensor | list[l
                          "the mask apart: generate(enc['input_ids'], attention_mask=enc['attention_mask'])")
     if not isinstance(ids, (torch.Tensor, list, tuple, str)) and hasattr(ids, "__array__"):
         ids = as_tensor(ids, name)  # a numpy array: read like a tensor
+    if isinstance(ids, array):  # one row of ids, as a list of them (it has no __array__ to read it by)
+        _check_array_of_ints(ids, name)
+        ids = ids.tolist()
     if isinstance(ids, torch.Tensor):
         t = ids[None] if ids.dim() == 1 else ids
         if t.dim() != 2 or 0 in t.shape:  # an empty batch [0, P] met torch's min() over nothing, later
@@ -557,7 +570,7 @@ def read_token_ids(ids: Any, name: str, also: str = "") -> torch.Tensor | list[l
         first = ids[0]
         # (a 0-d tensor or array is an id, not a row: list(t) of a 1-D tensor gives them)
         nested = (not is_int(first) and getattr(first, "ndim", 1) != 0
-                  and (isinstance(first, (list, tuple, torch.Tensor)) or hasattr(first, "__array__")))
+                  and (isinstance(first, (list, tuple, torch.Tensor, array)) or hasattr(first, "__array__")))
         rows = [_id_row(r, name) for r in ids] if nested else [_id_row(ids, name)]
         if any(not r for r in rows):
             raise ValueError(f"{name}: every row needs at least one token id")
@@ -569,8 +582,8 @@ def read_token_ids(ids: Any, name: str, also: str = "") -> torch.Tensor | list[l
                 raise ValueError(f"{name}: token id {token} is not a token id (expected 0 <= id < vocab_size)")
         return rows
     empty = isinstance(ids, (list, tuple, str)) and not ids
-    raise ValueError(f"{name}: expected {also}token ids [P] or [B, P] (a tensor, an array or lists), or a list of "
-                     f"rows of ids; got {type(ids).__name__}{' (empty)' if empty else ''}")
+    raise ValueError(f"{name}: expected {also}token ids [P] or [B, P] (a tensor, a numpy array, an array.array or "
+                     f"lists), or a list of rows of ids; got {type(ids).__name__}{' (empty)' if empty else ''}")
 
 
 def prompt_to_ids(prompt: Any, tokenizer: Any, pad_id: int, bos: bool = True,

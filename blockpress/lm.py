@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import weakref
+from array import array
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from functools import partial
@@ -319,6 +320,16 @@ def _check_logits_processor(processor: Any) -> Any:
                          "transformers' settings use blockpress's own: temperature / draw_temperature, top_k, top_p, "
                          "presence_penalty / frequency_penalty")
     return _check_function(processor, "logits_processor", "(logits, rows) -> logits")
+
+
+def _listed(ids: Any) -> Any:
+    """chat_ids' ids with an array.array of ids (an Example's, as load_jsonl holds them) read as the list of ids it
+    holds, one row or each of a list of rows; anything else as it is (_chat_start refuses what is no ids)."""
+    if isinstance(ids, array):
+        return ids.tolist()
+    if isinstance(ids, list) and ids and any(isinstance(row, array) for row in ids):
+        return [row.tolist() if isinstance(row, array) else row for row in ids]
+    return ids
 
 
 def _chat_copies(kwargs: dict[str, Any], cache: KVCache | None) -> int:
@@ -2036,6 +2047,7 @@ class LM:
         not encoded this turn (out.sequences' prompt is the rest, the part encoded). `kwargs`: generate's
         (token_healing=True refused on ids that end with the chat template's turn header, as chat refuses it)."""
         _check_forwarded("chat_ids", ("ids",), kwargs)
+        ids = _listed(ids)
         self._check_chat_healing(ids, kwargs.get("token_healing"))
         copies = _chat_copies(kwargs, cache)
         with _held(cache):
@@ -2055,6 +2067,7 @@ class LM:
         included. A stream that is cancelled, fails, or is left before its Done (a Ctrl-C, a `break`) leaves the
         cache holding the conversation before the turn, as chat_ids does. `kwargs`: stream's."""
         _check_forwarded("chat_stream", ("ids",), kwargs)
+        ids = _listed(ids)
         self._check_chat_healing(ids, kwargs.get("token_healing"))  # now, not at the stream's first event
         return _kept_open(self._chat_events(ids, cache, kwargs))
 

@@ -612,6 +612,26 @@ def test_numpy_prompts_read_like_tensors(lm):
     assert torch.equal(lm.generate(np.array([[3, 4, 5]]), **kw).sequences, lm.generate([[3, 4, 5]], **kw).sequences)
 
 
+def test_array_ids_are_read_as_a_list_of_ids(lm):
+    """load_jsonl's Examples hold their ids as array('i'): lm.generate(ex.prompt) and a batch of them were refused
+    ("expected ... (a tensor, an array or lists) ...; got array", a numpy array was meant)."""
+    from array import array
+    kw = dict(max_new_tokens=4, max_denoising_steps=2, seed=1)
+    assert torch.equal(lm.generate(array("i", [3, 4, 5]), **kw).sequences, lm.generate([3, 4, 5], **kw).sequences)
+    want = lm.generate([[3, 4, 5], [6, 7]], **kw).sequences
+    assert torch.equal(lm.generate([array("i", [3, 4, 5]), array("i", [6, 7])], **kw).sequences, want)
+    # chat_ids / chat_stream alike (a messages record's prompt is chat_prompt's rendering)
+    assert torch.equal(lm.chat_ids(array("i", [3, 4, 5]), **kw).sequences, lm.chat_ids([3, 4, 5], **kw).sequences)
+    assert torch.equal(lm.chat_ids([array("i", [3, 4, 5]), [6, 7]], **kw).sequences,
+                       lm.chat_ids([[3, 4, 5], [6, 7]], **kw).sequences)
+    [done] = [e for e in lm.chat_stream(array("i", [3, 4, 5]), **kw) if isinstance(e, blockpress.Done)]
+    assert torch.equal(done.output.sequences, lm.chat_ids([3, 4, 5], **kw).sequences)
+    with pytest.raises(ValueError, match="prompt: expected integer token ids, got an array.array of typecode 'd'"):
+        lm.generate(array("d", [3.5, 4.0]), **kw)
+    with pytest.raises(ValueError, match=r"a tensor, a numpy array, an array.array or lists"):
+        lm.generate(object(), **kw)
+
+
 def test_a_list_of_0d_tensors_is_one_row_of_ids(lm):
     """list(torch.tensor(ids)), the usual way to iterate a tensor, gives 0-d tensors: they were taken for rows,
     "expected each row of a list to be 1-D token ids, got shape []"; a list of np.int64 was taken."""
