@@ -2033,7 +2033,22 @@ class LM:
                              "(the template's own, never healed: as `generate --chat` and the server refuse it); a "
                              "reply continued with template_options={'continue_final_message': True} ends with its "
                              "text, which heals")
-        return self.chat_ids(self.chat_prompt(messages, **(template_options or {})), **kwargs)
+        ids = self.chat_prompt(messages, **(template_options or {}))
+        if kwargs.get("token_healing"):  # (continue_final_message, checked above; chat_prompt read the messages)
+            from .tokenizer import chat_message
+
+            batch = all(isinstance(m, (list, tuple)) for m in messages)
+            conversations: list[Any] = list(messages) if batch else [messages]
+            for c, conversation in enumerate(conversations):
+                if conversation and chat_message(conversation[-1], len(conversation) - 1)["content"] == "":
+                    # the rendering ends where the reply would begin: at the template's turn header, which healing
+                    # would re-sample (the template's own tokens, as without continue_final_message)
+                    where = f"messages[{c}][{len(conversation) - 1}]" if batch else f"messages[{len(conversation) - 1}]"
+                    raise ValueError(f"token_healing: {where}, the final message continue_final_message continues, "
+                                     "is empty: there is no reply text to heal (the rendering ends with the chat "
+                                     "template's turn header, the template's own); pass token_healing=False, or "
+                                     "give the reply's first text")
+        return self.chat_ids(ids, **kwargs)
 
     def chat_ids(self, ids: list[int] | list[list[int]], *, cache: KVCache | None = None,
                  **kwargs: Any) -> GenerationOutput:
@@ -2088,9 +2103,9 @@ class LM:
         for r, row in enumerate(ids if batch else [ids]):
             if isinstance(row, list) and any(h and row[-len(h):] == h for h in headers):
                 raise ValueError(f"token_healing: not with {f'ids[{r}]' if batch else 'ids'}, which end with the chat "
-                                 "template's turn header (the template's own, never healed: as lm.chat refuses it); "
-                                 "a reply continued, rendered with continue_final_message=True, ends with its text, "
-                                 "which heals")
+                                 "template's generation prompt (its turn header: the template's own tokens, which "
+                                 "healing would re-sample); ids of a reply continued, rendered with "
+                                 "continue_final_message=True, end with its text, which heals")
 
     def _chat_events(self, ids: list[int] | list[list[int]], cache: KVCache | None, kwargs: dict[str, Any]) -> Events:
         with _held(cache) as claim:

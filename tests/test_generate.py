@@ -3875,8 +3875,8 @@ def test_chat_ids_and_chat_stream_refuse_healing_the_turn_header_as_chat_does(ch
     kw = dict(max_new_tokens=4, max_denoising_steps=2, seeds=[1])
     messages = [{"role": "user", "content": "hi"}]
     ids = chat_lm.chat_prompt(messages)  # ... <start_of_turn>model\n
-    with pytest.raises(ValueError, match=r"^token_healing: not with ids, which end with the chat template's turn "
-                                         r"header .* continue_final_message=True"):
+    with pytest.raises(ValueError, match=r"^token_healing: not with ids, which end with the chat template's "
+                                         r"generation prompt .* continue_final_message=True"):
         chat_lm.chat_ids(ids, token_healing=True, **kw)
     with pytest.raises(ValueError, match=r"^token_healing: not with ids\[1\], which end"):
         chat_lm.chat_stream([ids[:-1], ids], token_healing=True, **kw)  # (refused at the call, not at next())
@@ -3887,6 +3887,27 @@ def test_chat_ids_and_chat_stream_refuse_healing_the_turn_header_as_chat_does(ch
     done = [e for e in chat_lm.chat_stream(continued, token_healing=True, **kw) if isinstance(e, blockpress.Done)]
     assert done[0].output.texts == healed
     assert chat_lm.chat_ids(ids, token_healing=False, **kw).texts == chat_lm.generate(ids, **kw).texts
+
+
+def test_chat_refuses_healing_an_empty_continued_reply_in_its_own_words(chat_lm):
+    """lm.chat(continue_final_message=True, token_healing=True) with an empty final assistant message rendered ids
+    ending with the turn header, which chat_ids then refused telling a chat caller about "ids" it never passed, "as
+    lm.chat refuses it", and to use the continue_final_message it had used. chat says what is wrong itself: the
+    continued message is empty, so there is no reply text to heal."""
+    kw = dict(max_new_tokens=4, max_denoising_steps=2, seed=1)
+    options = {"continue_final_message": True}
+    empty = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]
+    with pytest.raises(ValueError, match=r"^token_healing: messages\[1\], the final message continue_final_message "
+                                         r"continues, is empty: there is no reply text to heal"):
+        chat_lm.chat(empty, template_options=options, token_healing=True, **kw)
+    with pytest.raises(ValueError, match=r"^token_healing: messages\[1\]\[1\], the final message"):
+        chat_lm.chat([[*empty[:1], {"role": "assistant", "content": "ok"}], empty], template_options=options,
+                     token_healing=True, **kw)
+    assert chat_lm.chat(empty, template_options=options, **kw).texts == chat_lm.chat_ids(
+        chat_lm.chat_prompt(empty, **options), **kw).texts  # without healing it runs, as before
+    begun = [*empty[:1], {"role": "assistant", "content": "def f(x): "}]  # a reply's text heals
+    assert chat_lm.chat(begun, template_options=options, token_healing=True, **kw).texts == chat_lm.generate(
+        chat_lm.chat_prompt(begun, **options), token_healing=True, **kw).texts
 
 
 def test_a_chat_turn_retried_from_a_mark_is_the_turn_without_a_cache(lm):
