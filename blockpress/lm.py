@@ -2060,7 +2060,11 @@ class LM:
         stream is refused (truncating it since to a mark taken before is fine). A turn that fails or is interrupted leaves it
         holding that common prefix. out.extra["reused_prompt_tokens"]: each row's tokens that the cache held, so
         not encoded this turn (out.sequences' prompt is the rest, the part encoded). `kwargs`: generate's
-        (token_healing=True refused on ids that end with the chat template's turn header, as chat refuses it)."""
+        (token_healing=True refused on ids that end with the chat template's generation prompt, its turn header
+        rendered with the template's default options: the template's own tokens, which healing would re-sample. A
+        generation prompt that template options change, as Qwen3's enable_thinking=False adds an empty thought after
+        the header, is not told from a reply's text, and a template that cannot render a conversation of one user
+        message leaves the check off: heal those ids only where they end with text of the reply's)."""
         _check_forwarded("chat_ids", ("ids",), kwargs)
         ids = _listed(ids)
         self._check_chat_healing(ids, kwargs.get("token_healing"))
@@ -2090,7 +2094,10 @@ class LM:
         """chat's refusal of token_healing on a prompt that ends with the chat template's turn header (the template's
         own, healing would re-sample it), where rendered ids can tell: chat knows from its template_options, chat_ids
         and chat_stream only see the ids, which a continue_final_message rendering ends with the reply's text (that
-        heals). So a row that ends with a generation prompt of the tokenizer's templates is refused."""
+        heals). So a row that ends with a generation prompt of the tokenizer's templates is refused: as each renders
+        it with its default options (Tokenizer.generation_prompt_ids; none for a template that cannot render one user
+        message), so a generation prompt that template options change is not seen (chat refuses those by its
+        template_options)."""
         check_flag("token_healing", token_healing, none=True)
         if not token_healing or self.tokenizer is None or self.tokenizer.chat_template is None:
             return  # (no template: nothing to tell; ids that are no rows are _chat_start's to refuse)

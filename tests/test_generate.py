@@ -3889,6 +3889,32 @@ def test_chat_ids_and_chat_stream_refuse_healing_the_turn_header_as_chat_does(ch
     assert chat_lm.chat_ids(ids, token_healing=False, **kw).texts == chat_lm.generate(ids, **kw).texts
 
 
+def test_chat_ids_healing_check_knows_the_default_generation_prompt_only_and_says_so(chat_lm):
+    """chat_ids' refusal compares rows with the generation prompt rendered with the template's default options, so
+    ids rendered with an option that changes it (thinking off: an empty thought after the header) still heal, and a
+    template that cannot render one user message leaves the check off. It was stated as parity with lm.chat; the
+    docstring now says where it holds."""
+    kw = dict(max_new_tokens=4, max_denoising_steps=2, seed=1)
+    thinking = ("{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}"
+                "{% if add_generation_prompt %}<start_of_turn>model\n{% if enable_thinking is defined and not "
+                "enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    saved, chat_lm.tokenizer.chat_template = chat_lm.tokenizer.chat_template, thinking
+    try:
+        off = chat_lm.chat_prompt([{"role": "user", "content": "hi"}], enable_thinking=False)
+        chat_lm.chat_ids(off, token_healing=True, **kw)  # not refused: the limit the docstring states
+        with pytest.raises(ValueError, match="token_healing: not with ids"):
+            chat_lm.chat_ids(chat_lm.chat_prompt([{"role": "user", "content": "hi"}]), token_healing=True, **kw)
+        with pytest.raises(ValueError, match="token_healing: not with a chat prompt"):  # chat knows its options
+            chat_lm.chat([{"role": "user", "content": "hi"}], template_options={"enable_thinking": False},
+                         token_healing=True, **kw)
+        chat_lm.tokenizer.chat_template = "{{ raise_exception('a system turn first') if messages[0].role == 'user' }}"
+        assert chat_lm.tokenizer.generation_prompt_ids() == []  # no check
+    finally:
+        chat_lm.tokenizer.chat_template = saved
+    doc = " ".join(blockpress.LM.chat_ids.__doc__.split())
+    assert "rendered with the template's default options" in doc and "leaves the check off" in doc
+
+
 def test_chat_refuses_healing_an_empty_continued_reply_in_its_own_words(chat_lm):
     """lm.chat(continue_final_message=True, token_healing=True) with an empty final assistant message rendered ids
     ending with the turn header, which chat_ids then refused telling a chat caller about "ids" it never passed, "as
