@@ -219,8 +219,9 @@ def _kept_response(tokenizer: Any, text: str, context: tuple[int, int, int | Non
     another tokenizer's cut, or one in a stretch without a boundary (base64, minified JSON: encoded whole, it was 1.7 M
     ids kept of 2 MB), changes at most its last tokens, in the canvas dropped. (A response no longer than that is kept
     whole, as before: split_heldout hashes the ids kept.) `end`: a chat reply's end of turn (turn_end_id): a reply kept
-    whole ends at its last one (_chat_examples says why); in a reply cut it is past the ids kept, as the newline a
-    template writes after it is within the canvas more that the text kept holds, so they are the whole reply's too."""
+    whole ends at its last one (_chat_examples says why); a reply cut is read up to the end marker's last text where
+    that falls within the text kept (a template can write more than a canvas after it: a closing line when the chat
+    ends with the assistant), and ends there as a whole one does, so its ids are the whole reply's too."""
     if context is not None and context[2]:
         keep = context[2] * context[0]
         limit = (keep + context[0]) * tokenizer.longest_token()
@@ -229,8 +230,17 @@ def _kept_response(tokenizer: Any, text: str, context: tuple[int, int, int | Non
             cut = _PIECE_BOUNDARY.search(text, limit, limit + context[0] * tokenizer.longest_token())
             limit = cut.start() if cut else limit
         if len(text) > limit:
-            return tokenizer.encode(text[:limit])[:keep]
-    ids = tokenizer.encode(text)
+            marker = tokenizer.decode([end], skip_special_tokens=False) if end is not None else ""
+            last = text.rfind(marker) if marker else -1
+            if last < 0 or last + len(marker) > limit:  # the end of turn (if any) is past the text kept
+                return tokenizer.encode(text[:limit])[:keep]
+            # what follows the end of turn is the template's, no more the reply's: the text up to it is short
+            return _ended(tokenizer.encode(text[: last + len(marker)]), end)[:keep]
+    return _ended(tokenizer.encode(text), end)
+
+
+def _ended(ids: list[int], end: int | None) -> list[int]:
+    """`ids` up to their last `end` (a chat reply's end of turn; _chat_examples says why), all of them without one."""
     if end is not None and end in ids:
         ids = ids[: len(ids) - ids[::-1].index(end)]
     return ids

@@ -665,6 +665,27 @@ def test_a_chat_reply_cut_for_max_canvases_keeps_the_ids_tokenizing_it_whole_kep
         assert torch.equal(getattr(a, field), getattr(b, field)), field
 
 
+@pytest.mark.parametrize("closing", [250, 10])
+def test_a_chat_reply_cut_ends_at_its_end_of_turn_when_the_template_writes_more_after_it(tok, closing):
+    """A cut reply was the text kept tokenized, with no end-of-turn cut: a template that writes more than a canvas
+    after the last turn's end (a closing line when the chat ends with the assistant) left "\n" after <end_of_turn>
+    in the ids kept, trained in place of EOS, where the whole reply ends at its end of turn."""
+    from blockpress.tokenizer import Tokenizer
+
+    template = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}"
+                "\n{{ m.content }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n"
+                "{% elif messages[-1].role == 'assistant' %}# saved by the exporter {{ '.' * " + str(closing) +
+                " }}\n{% endif %}")
+    ours = Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], pad_id=0, chat_template=template)
+    record = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ok"}]}
+    [whole] = parse_examples(record, ours, "d.jsonl:1")
+    [cut] = parse_examples(record, ours, "d.jsonl:1", context=(2, 1000, 2))
+    assert ours.decode(list(whole.response), skip_special_tokens=False) == "ok<end_of_turn>"
+    assert list(cut.response) == list(whole.response)[:4]
+    a, b = (make_batch([e], 2, pad_id=0, eos_id=1, max_canvases=2) for e in (whole, cut))
+    assert torch.equal(a.ids, b.ids) and a.ids[0, -1].item() == 1
+
+
 def test_raw_texts_tokenizing_is_reported_and_shown_on_a_terminal_alone(tmp_path, tok, monkeypatch):
     """`train --data` on a folder of raw text tokenized it in silence (the standard library's 162 MB: minutes).
     load_text reports the characters done after each document, and train's bar is drawn on a terminal's stderr
