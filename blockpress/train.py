@@ -1011,15 +1011,22 @@ def _source_size(source: Any) -> str | None:
             else f"{source.shards.tokens} tokens" if isinstance(source, ShardSource) else None)
 
 
+def warn_heldout_none(cfg: TrainConfig, source: Any, heldout: Any, name: str = "heldout") -> None:
+    """Say that the heldout fraction, split off a few examples, held none out: the run trains on, with no held-out
+    loss. (Applied, not ignored: a larger fraction or more examples would hold some out.) `name`: the setting's, as
+    the caller's user writes it (`blockpress train`: --heldout)."""
+    if heldout is None and cfg.heldout and isinstance(source, ExampleSource):
+        n = len(source.examples)
+        warn_user(f"{name} {cfg.heldout}: holds out none of {n} example{'s' if n != 1 else ''} (each is held out by a "
+                  "hash of its content), so this run has no held-out loss; a larger fraction or held-out data of its "
+                  "own gives one")
+
+
 def warn_unused_settings(cfg: TrainConfig, device: torch.device, source: Any, heldout: Any) -> None:
     """Say which settings this run cannot apply; each trained exactly as without it, and nothing said so. Warned, not
     refused: a run saved with one (by older code, or on another device) resumes, as does a float16 run resumed with
-    --no-autocast, and a few examples whose heldout fraction holds none out train on."""
+    --no-autocast."""
     unused = []
-    if heldout is None and cfg.heldout and isinstance(source, ExampleSource):  # split, none held out: no eval loss
-        n = len(source.examples)
-        unused.append(f"heldout {cfg.heldout}: holds out none of {n} example{'s' if n != 1 else ''} (each is held "
-                      "out by a hash of its content), so this run has no held-out loss")
     if cfg.autocast_dtype != "auto" and autocast_dtype(cfg, device) is None:
         switch = {"cuda": "--autocast", "cpu": "--cpu-autocast"}.get(device.type)
         unused.append(f"autocast_dtype {cfg.autocast_dtype}: the dtype of a mixed precision this run on {device.type} "
@@ -1046,7 +1053,7 @@ def _settings_heldout(lm: LM, cfg: TrainConfig, source: Any, heldout: Any) -> tu
     if isinstance(source, ExampleSource):
         if cfg.heldout:
             train, held = split_heldout(source.examples, cfg.heldout)
-            # (none held out of a few examples: nothing to evaluate, which warn_unused_settings says)
+            # (none held out of a few examples: nothing to evaluate, which warn_heldout_none says)
             return (ExampleSource(train, source.seed), ExampleSource(held, cfg.seed)) if held else (source, None)
         assert cfg.heldout_data is not None
         if not is_examples(cfg.heldout_data):
@@ -1253,6 +1260,7 @@ class Trainer:
         on_step: Callable[[int, float], None] | None = None,
         merged_dtype: torch.dtype | None = None,
         data: str | None = None,
+        heldout_name: str = "heldout",
     ):
         """`cfg` is applied whole, as `blockpress train` applies it: its dtype casts `lm` (after every refusal), and
         where no `heldout` is given, its heldout_data is read, or its heldout fraction split off `source`'s examples
@@ -1261,7 +1269,8 @@ class Trainer:
         the saved checkpoint's). `data`: where `source` was read from (`blockpress train`:
         --data), saved with the run with the source's size: `resume` warns when a run continues on other data. Where
         the heldout fraction splits the examples, the run records which it holds out (split_digests): `resume` warns
-        when it holds out others."""
+        when it holds out others. `heldout_name`: the heldout setting's name in the warning that its fraction held none
+        out (`blockpress train`: --heldout)."""
         source, heldout = _settings_heldout(lm, cfg, source, heldout)
         if cfg.heldout_data:  # recorded with the run as --data is, whole: --resume from another folder reads it too
             cfg = replace(cfg, heldout_data=str(Path(cfg.heldout_data).resolve()))
@@ -1289,6 +1298,7 @@ class Trainer:
             check_lora_rank(lm.model, cfg.lora_rank, lora_modules(cfg.lora_targets))
         _check_data_fits(lm, cfg, source, heldout, data)
         if self.rank == 0:  # (once a run, after its refusals: under torchrun each process would say it)
+            warn_heldout_none(cfg, source, heldout, heldout_name)
             warn_unused_settings(cfg, lm.device, source, heldout)
         # config.json's attention_dropout, applied as the reference applies it, in train mode: a config of 0.1 must
         # not train without dropout, and without a word. A value outside [0, 1) is refused by name before anything

@@ -1949,6 +1949,8 @@ def test_a_heldout_fraction_that_holds_none_out_is_warned_of_once_a_run(tmp_path
         assert trainer.heldout is None
         trainer.train()
     said = [w for w in caught if "holds out none" in str(w.message)]
+    # (the fraction was applied: not "; ignored", as the settings a run cannot apply are)
     assert [str(w.message) for w in said] == ["heldout 0.02: holds out none of 4 examples (each is held out by a hash "
-                                              "of its content), so this run has no held-out loss; ignored"]
+                                              "of its content), so this run has no held-out loss; a larger fraction "
+                                              "or held-out data of its own gives one"]
     assert said[0].filename == __file__  # the caller's line, as warn_user attributes it

@@ -121,8 +121,10 @@ def test_train_notes_are_warning_lines(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.splitlines()
     # (the Trainer's warning, as a Trainer of one's own gives it: said once, not also by the command)
     assert sum("holds out none" in line for line in err) == 1
-    for start in ("heldout 0.02: holds out none of 8 examples",
-                  "--warmup-steps 5 leaves --steps 2 no step to decay in: the learning rate ends at 0.00012 (0.4x --lr)",
+    # (named by its flag, and not "; ignored": the fraction was applied and held none out)
+    [said] = [line for line in err if "holds out none" in line]
+    assert said.startswith("warning: --heldout 0.02: holds out none of 8 examples") and "ignored" not in said
+    for start in ("--warmup-steps 5 leaves --steps 2 no step to decay in: the learning rate ends at 0.00012 (0.4x --lr)",
                   "no loss.png: matplotlib is not installed (pip install 'blockpress[train]')"):
         assert any(line.startswith("warning: " + start) for line in err), (start, err)
 

@@ -508,7 +508,8 @@ def _start_run(args: argparse.Namespace, lm: LM, sources: Sources, stale_metrics
     # (LoRA: the adapters are merged in float32 at the end; the checkpoint stays float32 unless --dtype asks to round,
     # trainer.merged_dtype. --heldout-data is recorded whole, trainer.cfg's)
     trainer = Trainer(lm, source, cfg, args.out, heldout=sources.heldout, progress=not args.quiet,
-                      data=str(Path(args.data).resolve()))  # one spelling of a file: --resume compares them
+                      data=str(Path(args.data).resolve()),  # one spelling of a file: --resume compares them
+                      heldout_name="--heldout")
     cfg = trainer.cfg
     if trainer.prompts_healed and trainer.rank == 0 and isinstance(source, ExampleSource):  # (only examples heal)
         print(f"--data: {trainer.prompts_healed} of {len(source.examples)} training prompts end in whitespace that "
