@@ -126,7 +126,7 @@ def _ids_field(obj: dict, key: str, where: str) -> array[int]:
         raise ValueError(f"{where}: field {key!r} must be a list of integers")
     # held as an array("i") (Example): an id past its 32 bits is no vocabulary's, and said so rather than overflow
     if (bad := next((t for t in value if not -(2**31) <= t < 2**31), None)) is not None:
-        raise ValueError(f"{where}: field {key!r}: {bad} is no token id (ids are below 2**31)")
+        raise ValueError(f"{where}: field {key!r}: {bad} is no token id (ids are 32-bit integers)")
     return array("i", value)
 
 

@@ -1247,8 +1247,9 @@ class LM:
     def default_new_tokens(self, prompt_length: int, *, room_needed: bool = True) -> int:
         """max_new_tokens for a call that gives none: generation_config.json's `max_new_tokens`, else its
         `max_length` less the prompt, as in the reference (which counts the prompt's padded width; continuing a
-        cache, the widest row's conversation, the cache's part included: `_conversation_width`), else 256. `room_needed=False`: 0 where max_length leaves no room (a minimum the call
-        gives is the length then), not an error."""
+        cache, the widest row's conversation, the cache's part included: `_conversation_width`), else 256.
+        `room_needed=False`: 0 where max_length leaves no room (a minimum the call gives is the length then), not an
+        error."""
         max_length = self.generation_config.get("max_length")
         if self.generation_config.get("max_new_tokens") is not None or max_length is None:
             return self._max_new_tokens_setting()

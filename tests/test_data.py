@@ -353,6 +353,10 @@ def test_jsonl_examples_are_held_compactly_and_draw_the_batches_they_did(tmp_pat
     # an id no array("i") holds is no token id, and said so (no vocabulary given to refuse it by)
     with pytest.raises(ValueError, match=r"d.jsonl:1: field 'response_ids': 2147483648 is no token id"):
         parse_examples({"prompt_ids": [2], "response_ids": [2**31]}, tok, "d.jsonl:1")
+    # (a negative one too, as what it is: "ids are below 2**31" was true of it, and odd)
+    with pytest.raises(ValueError, match=r"field 'prompt_ids': -1099511627776 is no token id \(ids are 32-bit "
+                                         r"integers\)"):
+        parse_examples({"prompt_ids": [-2**40], "response_ids": [2]}, tok, "d.jsonl:1")
 
 
 def test_heldout_split_is_stable():
