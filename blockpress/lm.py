@@ -726,13 +726,14 @@ def _conversation_width(rows: _PromptRows, cache: KVCache | None) -> int:
     """The prompt's width as max_length counts it: the widest row's tokens, what a continued `cache` holds of its
     conversation included, as the same rows passed whole without the cache count (their padded width). Not the
     cache's slots + the new part's width: rows that kept unlike prefixes (lm.chat's batch continued) would count
-    one row's cached tokens and another's new ones, and get fewer new tokens than without the cache."""
+    one row's cached tokens and another's new ones, and get fewer new tokens than without the cache. Without a
+    cache, the width passed (transformers' input_ids.shape[1]): left padding counts, right padding (trimmed) too."""
+    if not isinstance(cache, KVCache):
+        return rows.ids.shape[1] + rows.trimmed
     b = rows.ids.shape[0]
     own = [rows.ids.shape[1]] * b if rows.mask is None else [int(n) for n in rows.mask.sum(-1)]
-    held = [0] * b
-    if isinstance(cache, KVCache):
-        # a cache of another batch size is refused by _check_context; until then its slots stand for every row
-        held = cache.next_pos.tolist() if cache.batch_size == b else [cache.length] * b
+    # a cache of another batch size is refused by _check_context; until then its slots stand for every row
+    held = cache.next_pos.tolist() if cache.batch_size == b else [cache.length] * b
     return max(h + n for h, n in zip(held, own)) + rows.trimmed
 
 
