@@ -43,7 +43,7 @@ class Example:
     # Token ids: a list, or (JSONL examples, load_jsonl) an array("i"), 4 bytes a token where a list of ints takes
     # some 36: a file's examples are all held for the whole run (11 MB of memory per MB of JSONL as lists). An array
     # is not a list: == with a list (or an Example holding lists) is False and array + list raises; list(ex.prompt)
-    # for a list. The prompt readers (lm.generate, chat_ids, ...) take an array as a list of ids
+    # for a list. The prompt readers (lm.generate, chat_ids, ...) take an array as a list of ids; infill templates not
     prompt: Sequence[int]
     response: Sequence[int]
     ends: bool = True  # False for windows cut from running text: no EOS after the response

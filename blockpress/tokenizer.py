@@ -792,7 +792,11 @@ class Tokenizer:
                     chat, add_generation_prompt=flag, chat_template=source)), add_bos=False) for flag in (False, True))
             except Exception:  # noqa: BLE001 - any refusal of the template's (raise_exception, a missing field)
                 with_header = without = []
-            known = tuple(with_header[len(without):]) if with_header[: len(without)] == without else ()
+            # what follows the renderings' common start: a template that ends a chat without the prompt otherwise
+            # (an <eos> in its else branch) has one all the same
+            pairs = zip(without, with_header)
+            common = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(without), len(with_header)))
+            known = tuple(with_header[common:])
         header: tuple[int, ...] = _keep(self._generation_prompts, source, known)
         return list(header)
 

@@ -1535,8 +1535,8 @@ def test_models_say_the_context_requests_may_take_as_max_model_len():
                 assert r.status_code == 200, r.text
                 r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1] * 25, "max_tokens": 16})
                 assert r.status_code == 400 and "exceed the context of 40 tokens" in r.text, r.text
-                # max_tokens counts in whole canvases (docs/serving.md): 25 + 15 is refused, 25 + 15 rounded down
-                # to none... a whole canvas fits only with a 24-token prompt
+                # max_tokens counts in whole canvases (docs/serving.md): 25 + 15 takes 25 + 16 positions, refused;
+                # 20 + 5 takes 20 + 16, which fit
                 r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1] * 25, "max_tokens": 15})
                 assert r.status_code == 400 and "exceed the context of 40 tokens" in r.text, r.text
                 r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1] * 20, "max_tokens": 5})

@@ -618,6 +618,12 @@ def test_the_generation_prompt_is_what_add_generation_prompt_adds(tok: Tokenizer
     assert ours.apply_chat_template(TWO_TURNS, tokenize=True)[-len(header):] == header
     assert ours.generation_prompt_ids("{% for m in messages %}{{ m.content }}{% endfor %}") == []
     assert ours.generation_prompt_ids("{{ raise_exception('no') }}") == []
+    # a template that ends a chat otherwise without the prompt (an <eos> in its else branch) has one all the same:
+    # the rendering without it is no start of the one with it
+    eos_else = GEMMA_CHAT_TEMPLATE.replace("{%- if add_generation_prompt -%}", "{%- if not add_generation_prompt -%}"
+                                           "{{ eos_token }}{%- endif -%}{%- if add_generation_prompt -%}")
+    assert eos_else != GEMMA_CHAT_TEMPLATE
+    assert ours.generation_prompt_ids(eos_else) == header
 
 
 def test_template_texts_kept_compiled_are_bounded(tok: Tokenizer) -> None:

@@ -191,7 +191,8 @@ class DeadStreamHandler(logging.StreamHandler):
     ~90-line 'Logging error' traceback to stderr, while the server answered on."""
 
     def handleError(self, record: logging.LogRecord) -> None:
-        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)) or getattr(self.stream, "closed", False):
+        gone = isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError))
+        if gone or getattr(self.stream, "closed", False):
             return
         super().handleError(record)
 
