@@ -1281,7 +1281,7 @@ class Trainer:
         self.merged_dtype = merged_dtype or (getattr(torch, cfg.dtype) if cfg.dtype else torch.float32)
         check_data_workers(cfg.data_workers, "data_workers")  # (torch's DataLoader refused it at the first step)
         self.data: dict[str, Any] = {"path": data, "size": _source_size(source)}
-        if cfg.heldout and isinstance(source, ExampleSource) and not isinstance(heldout, ShardSource):
+        if cfg.heldout and isinstance(source, ExampleSource) and (heldout is None or isinstance(heldout, ExampleSource)):
             # the split the run starts with, made by a hash of each example's tokens: other data, or another
             # blockpress's tokenization of the same data, changes it without a word (Trainer.resume checks it)
             self.data["heldout"] = split_digests(heldout.examples if heldout is not None else [])
@@ -1700,8 +1700,8 @@ class Trainer:
         if self.scaler.is_enabled() and state.get("scaler"):  # else a fresh scale, as a run that starts scaling
             self.scaler.load_state_dict(state["scaler"])
         saved = state.get("data") or {}  # (runs saved before it was: nothing to compare)
-        other = {k: (saved[k], v) for k, v in self.data.items() if saved.get(k) is not None and v is not None
-                 and saved[k] != v}
+        other = {k: (saved[k], self.data[k]) for k in ("path", "size") if saved.get(k) is not None
+                 and self.data.get(k) is not None and saved[k] != self.data[k]}  # (the split: _check_split)
         if other:  # moved or grown data may be meant; the run goes on, but it is not the run it was
             was, now = (f"{d.get('path') or 'data'} ({d.get('size')})" for d in (saved, self.data))
             warn_user(f"--data: the run in {self.out} trained on {was}, and continues on {now}: the batches of "

@@ -25,7 +25,7 @@ from terminal import read_terminal
 
 import blockpress
 from blockpress.cli import build_parser, main
-from blockpress.cli.common import TypedFlag
+from blockpress.cli.common import TypedFlag, utf8_arguments
 from blockpress.live import terminal_text
 
 # The shipped model when the package has it (it does in the repository); random weights otherwise.
@@ -247,6 +247,12 @@ def test_utf8_arguments_under_an_ascii_locale_are_read_as_utf8(capsys):
     assert main(["generate", "caf" + "\xe9".encode("latin-1").decode("ascii", "surrogateescape"), "--model",
                  "random-tiny"]) == 2
     assert "prompt: not valid UTF-8 (byte 0xe9 at character 3)" in capsys.readouterr().err
+    # --chat-template-kwargs is read as argparse parses (its type=), --served-name is text too
+    parsed = build_parser().parse_args(["chat", "--chat-template-kwargs", typed('{"name": "Jürgen"}')])
+    assert parsed.chat_template_kwargs == {"name": "Jürgen"}
+    args = argparse.Namespace(served_name=typed("modèle"))
+    utf8_arguments(args)
+    assert args.served_name == "modèle"
 
 
 def test_piped_prompt_is_read_as_utf8_whatever_the_locale(capsys, monkeypatch):

@@ -1954,3 +1954,19 @@ def test_a_heldout_fraction_that_holds_none_out_is_warned_of_once_a_run(tmp_path
                                               "of its content), so this run has no held-out loss; a larger fraction "
                                               "or held-out data of its own gives one"]
     assert said[0].filename == __file__  # the caller's line, as warn_user attributes it
+
+
+def test_a_heldout_source_of_ones_own_beside_a_heldout_fraction_is_taken(tmp_path):
+    """Recording the split (the held-out examples' digests, for --resume) read `.examples` of any held-out source: a
+    source of one's own with batch() alone, given beside TrainConfig(heldout=...), ended the Trainer in an
+    AttributeError where it had been taken. Only a split the Trainer makes itself is recorded."""
+
+    class Mine:
+        def batch(self, step, size):
+            return [EXAMPLES[step % len(EXAMPLES)]] * size
+
+    cfg = TrainConfig(steps=1, batch_size=2, warmup_steps=0, heldout=0.25)
+    trainer = Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), cfg, tmp_path / "run", heldout=Mine(), progress=False)
+    assert trainer.heldout is not None and "heldout" not in trainer.data
+    made = Trainer(tiny_lm(), ExampleSource(EXAMPLES * 8, 0), cfg, tmp_path / "made", progress=False)
+    assert isinstance(made.data.get("heldout"), list)

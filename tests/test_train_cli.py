@@ -1470,6 +1470,8 @@ def test_resume_says_when_it_holds_out_other_examples(tmp_path, capsys):
     assert said, err
     assert int(said[1]) == int(said[3]) == len(held) and int(said[2]) == int(said[4]) > 0
     assert "Its data changed, or blockpress's reading of it into tokens did" in err
+    # a --data line, where the examples trained on are another number, has two sides that differ
+    assert all(was != now for was, now in re.findall(r"trained on (.*?), and continues on (.*?): the batches", err))
     # the next resume checks against the split the run now holds out
     resume[resume.index("--steps") + 1] = "5"
     assert main(resume) == 0

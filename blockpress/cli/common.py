@@ -321,6 +321,7 @@ def template_kwargs_arg(text: str) -> dict[str, Any]:
     from blockpress.files import parse_json
     from blockpress.tokenizer import template_variables
 
+    text = utf8_argument(text)  # (read here, as argparse parses: run_command's utf8_arguments comes after)
     try:
         value = parse_json(text)  # nested past the recursion limit: this error, not a traceback
     except json.JSONDecodeError as exc:
@@ -467,7 +468,7 @@ PATH_FLAGS = ("input", "output", "file", "data", "heldout_data", "train_config",
 
 
 # The arguments that are text for the model, not paths (a path's bytes must reach the file system as they came)
-TEXT_ARGUMENTS = ("prompt", "template", "prefix", "system", "stop", "puzzles")
+TEXT_ARGUMENTS = ("prompt", "template", "prefix", "system", "stop", "puzzles", "served_name")
 
 
 def utf8_argument(value: str) -> str:

@@ -246,5 +246,7 @@ def release_device_memory() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
+    if torch is not None and torch.backends.mps.is_available():  # (MPS's out of memory is answered too: checks.py)
+        torch.mps.empty_cache()
 
 
