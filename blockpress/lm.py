@@ -727,8 +727,9 @@ def _conversation_width(rows: _PromptRows, cache: KVCache | None) -> int:
     conversation included, as the same rows passed whole without the cache count (their padded width). Not the
     cache's slots + the new part's width: rows that kept unlike prefixes (lm.chat's batch continued) would count
     one row's cached tokens and another's new ones, and get fewer new tokens than without the cache. Without a
-    cache, the width passed (transformers' input_ids.shape[1]): left padding counts, right padding (trimmed) too."""
-    if not isinstance(cache, KVCache):
+    cache, or with one that holds nothing yet (new, or reset), the width passed (transformers' input_ids.shape[1]):
+    left padding counts, right padding (trimmed) too."""
+    if not isinstance(cache, KVCache) or cache.length == 0:
         return rows.ids.shape[1] + rows.trimmed
     b = rows.ids.shape[0]
     own = [rows.ids.shape[1]] * b if rows.mask is None else [int(n) for n in rows.mask.sum(-1)]

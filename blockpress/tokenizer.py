@@ -780,9 +780,11 @@ class Tokenizer:
     def generation_prompt_ids(self, chat_template: str | None = None, tools: Any = None) -> list[int]:
         """The ids add_generation_prompt=True ends a rendering with (the header of the assistant's turn: Gemma's
         `<start_of_turn>model\n`), for the template apply_chat_template(chat_template=..., tools=...) renders with;
-        [] where it adds none that tokenizes apart from the conversation. Read off a conversation of one user message
-        rendered both ways, in context (the header's text alone could tokenize otherwise), once per template text; a
-        template that cannot render that conversation adds none that can be told."""
+        [] where it adds none. Read off a conversation of one user message rendered both ways, in context (the
+        header's text alone could tokenize otherwise), once per template text: what the rendering with it holds past
+        the two renderings' common start. A template whose flag changes the conversation before its end (a line
+        written first) gives more than the header, which no chat ends with (so chat_ids' check is off); one that
+        cannot render that conversation gives []."""
         source = self._pick_template(chat_template, tools)
         known = self._generation_prompts.get(source)
         if known is None:

@@ -1753,11 +1753,12 @@ class Trainer:
             return
         # (by content: the split hashes tokens, so the run's examples read into other tokens are other examples)
         kept = sum((Counter(recorded) & Counter(held)).values())
+        gone, new = len(recorded) - kept, len(held) - kept
         warn_user(f"--resume: the run in {self.out} held out {len(recorded)} examples, and this resume holds out "
-                  f"{len(held)}: {kept} of the run's are among them, so {len(recorded) - kept} are no longer held "
-                  "out (trained on from here on, where the data still holds them), and the held-out loss from here "
-                  f"on includes {len(held) - kept} examples the run did not hold out (trained on, unless they are "
-                  "new to the data). Its data changed, or blockpress's reading of it into tokens did (an example is "
+                  f"{len(held)}: {kept} of the run's are among them, so {gone} {'is' if gone == 1 else 'are'} no "
+                  "longer held out (trained on from here on, where the data still holds them), and the held-out loss "
+                  f"from here on includes {new} example{'' if new == 1 else 's'} the run did not hold out (trained "
+                  "on, unless new to the data). Its data changed, or blockpress's reading of it into tokens did (an example is "
                   "held out by a hash of its tokens), and the steps to come draw other batches too; give the run's "
                   "own data to keep its split, or start a new run for a held-out loss of examples it never trained "
                   "on")

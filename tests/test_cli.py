@@ -250,9 +250,9 @@ def test_utf8_arguments_under_an_ascii_locale_are_read_as_utf8(capsys):
     # --chat-template-kwargs is read as argparse parses (its type=), --served-name is text too
     parsed = build_parser().parse_args(["chat", "--chat-template-kwargs", typed('{"name": "Jürgen"}')])
     assert parsed.chat_template_kwargs == {"name": "Jürgen"}
-    args = argparse.Namespace(served_name=typed("modèle"))
+    args = argparse.Namespace(served_name=typed("modèle"), root_path=typed("/modèle"), api_key=typed("clé"))
     utf8_arguments(args)
-    assert args.served_name == "modèle"
+    assert (args.served_name, args.root_path, args.api_key) == ("modèle", "/modèle", "clé")
 
 
 def test_piped_prompt_is_read_as_utf8_whatever_the_locale(capsys, monkeypatch):

@@ -1959,7 +1959,7 @@ def test_a_heldout_fraction_that_holds_none_out_is_warned_of_once_a_run(tmp_path
 def test_a_heldout_source_of_ones_own_beside_a_heldout_fraction_is_taken(tmp_path):
     """Recording the split (the held-out examples' digests, for --resume) read `.examples` of any held-out source: a
     source of one's own with batch() alone, given beside TrainConfig(heldout=...), ended the Trainer in an
-    AttributeError where it had been taken. Only a split the Trainer makes itself is recorded."""
+    AttributeError where it had been taken. A split of ExampleSources is recorded; a source of one's own is not."""
 
     class Mine:
         def batch(self, step, size):

@@ -163,6 +163,9 @@ def test_max_length_counts_the_width_passed_right_padding_included(lm, ids, engi
     for rows, mask in ((right, right_mask), (left, left_mask)):
         out = call(input_ids=rows, attention_mask=mask, max_length=13, seed=1, **extra)
         assert out.new_tokens.shape[1] == 4
+        # a cache that holds nothing yet counts as none (a batch continued counts each row's conversation)
+        out = call(input_ids=rows, attention_mask=mask, max_length=13, seed=1, cache=lm.new_cache(2, 64), **extra)
+        assert out.new_tokens.shape[1] == 4
 
 
 def test_generation_configs_max_new_tokens_wins_over_max_length(lm, ids):

@@ -467,8 +467,9 @@ class TypedFlag(argparse.Action):
 PATH_FLAGS = ("input", "output", "file", "data", "heldout_data", "train_config", "out", "plot", "config", "tokenizer")
 
 
-# The arguments that are text for the model, not paths (a path's bytes must reach the file system as they came)
-TEXT_ARGUMENTS = ("prompt", "template", "prefix", "system", "stop", "puzzles", "served_name")
+# The arguments that are text, for the model or the server, not paths (a path's bytes must reach the file system as
+# they came). --chat-template-kwargs is read as argparse parses it (template_kwargs_arg), before these.
+TEXT_ARGUMENTS = ("prompt", "template", "prefix", "system", "stop", "puzzles", "served_name", "root_path", "api_key")
 
 
 def utf8_argument(value: str) -> str:
