@@ -22,6 +22,7 @@ from blockpress.files import (
     one_value_a_key,
     parse_json,
     refuse_non_json_numbers,
+    same_place,
     undecodable_byte,
     utf16_note,
 )
@@ -287,7 +288,7 @@ def check_output(output: Path, input_path: str, kind: LineKind = GENERATE) -> No
     if not os.access(output if output.exists() else output.parent, os.W_OK):
         raise ValueError(f"--output {output}: cannot be written (its folder {output.parent} or the file is "
                          "read-only, or not yours)")
-    if input_path != "-" and output.exists() and os.path.samefile(output, input_path):
+    if input_path != "-" and same_place(output, input_path):
         raise ValueError(f"--output {output}: is the --input file; write the output to another file (it would "
                          f"replace the {kind.what})")
 

@@ -65,6 +65,7 @@ from .generate import (
     Request,
     StepFunctions,
     Template,
+    _id_row,
     as_tensor,
     canvas_positions,
     canvas_room,
@@ -326,9 +327,9 @@ def _listed(ids: Any) -> Any:
     """chat_ids' ids with an array.array of ids (an Example's, as load_jsonl holds them) read as the list of ids it
     holds, one row or each of a list of rows; anything else as it is (_chat_start refuses what is no ids)."""
     if isinstance(ids, array):
-        return ids.tolist()
+        return _id_row(ids, "ids")
     if isinstance(ids, list) and ids and any(isinstance(row, array) for row in ids):
-        return [row.tolist() if isinstance(row, array) else row for row in ids]
+        return [_id_row(row, f"ids[{r}]") if isinstance(row, array) else row for r, row in enumerate(ids)]
     return ids
 
 
